@@ -1,0 +1,147 @@
+"""The notebook pipeline: student copies generated from the solutions and kept in sync, student
+copies that stop exactly at the exercises, and every solution running under torchrun and with the
+spawn start method."""
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from utils import notebooks
+
+ROOT = notebooks.ROOT
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+NAMES = [p.name for p in SOLUTIONS]
+
+EXERCISE = '''def f(x):
+    # TODO: return x doubled.
+    ### BEGIN SOLUTION
+    y = 2 * x
+    return y
+    ### END SOLUTION
+
+
+print(f(2))'''
+
+
+def test_solution_region_becomes_not_implemented_at_its_indentation():
+    assert notebooks.strip_solutions(EXERCISE) == '''def f(x):
+    # TODO: return x doubled.
+    raise NotImplementedError("f: your code goes here")
+
+
+print(f(2))'''
+
+
+def test_several_regions_and_top_level_regions():
+    source = "### BEGIN SOLUTION\na = 1\n### END SOLUTION\ndef g():\n  ### BEGIN SOLUTION\n  pass\n  ### END SOLUTION"
+    assert notebooks.strip_solutions(source) == (
+        'raise NotImplementedError("exercise: your code goes here")\ndef g():\n'
+        '  raise NotImplementedError("g: your code goes here")')
+
+
+@pytest.mark.parametrize("source", [
+    "### BEGIN SOLUTION\nx = 1",                                   # never closed
+    "x = 1\n### END SOLUTION",                                     # closed, never opened
+    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION",    # nested
+])
+def test_unbalanced_markers_are_an_error_naming_the_cell(source):
+    with pytest.raises(ValueError, match="cell 3"):
+        notebooks.strip_solutions(source, where="cell 3")
+
+
+def small_solution():
+    cell = new_code_cell(EXERCISE, outputs=[new_output("stream", name="stdout", text="4\n")], execution_count=1)
+    cell.metadata["tags"] = ["mytag"]
+    cell.metadata["execution"] = {"iopub.status.busy": "2026-01-01"}
+    return new_notebook(cells=[new_markdown_cell("# Title\n### BEGIN SOLUTION stays in markdown"), cell])
+
+
+def test_student_copy_drops_answers_outputs_and_counts_and_keeps_the_rest():
+    student = notebooks.student_notebook(small_solution())
+    markdown, code = student.cells
+    assert markdown.source == "# Title\n### BEGIN SOLUTION stays in markdown"
+    assert "2 * x" not in code.source and "NotImplementedError" in code.source
+    assert code.outputs == [] and code.execution_count is None
+    assert code.metadata == {"tags": ["mytag"]}
+
+
+def run_cli(root, *args):
+    return subprocess.run([sys.executable, "-m", "utils.notebooks", "--root", str(root), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_check_fails_and_names_the_notebook_until_regenerated(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    nbformat.write(small_solution(), tmp_path / "solutions" / "07_demo.ipynb")
+    missing = run_cli(tmp_path, "--check")
+    assert missing.returncode == 1 and "notebooks/07_demo.ipynb" in missing.stdout
+    assert run_cli(tmp_path).returncode == 0
+    assert run_cli(tmp_path, "--check").returncode == 0
+
+    edited = small_solution()
+    edited.cells[0].source = "# A new title"
+    nbformat.write(edited, tmp_path / "solutions" / "07_demo.ipynb")
+    stale = run_cli(tmp_path, "--check")
+    assert stale.returncode == 1 and "notebooks/07_demo.ipynb" in stale.stdout
+
+    run_cli(tmp_path)
+    (tmp_path / "notebooks" / "08_orphan.ipynb").write_text("{}")
+    orphan = run_cli(tmp_path, "--check")
+    assert orphan.returncode == 1 and "notebooks/08_orphan.ipynb" in orphan.stdout
+
+
+def test_repository_notebooks_are_in_sync_with_the_solutions():
+    assert SOLUTIONS, "no solution notebooks found"
+    assert notebooks.stale_notebooks() == [], "run `python -m utils.notebooks`"
+
+
+def test_script_export_drops_error_demos_and_refuses_magics():
+    nb = new_notebook(cells=[new_code_cell("a = 1"), new_code_cell("raise ValueError"), new_markdown_cell("x")])
+    nb.cells[1].metadata["tags"] = ["raises-exception"]
+    text = notebooks.script(nb, "demo.ipynb")
+    assert "a = 1" in text and "ValueError" not in text
+    with pytest.raises(ValueError, match="magic"):
+        notebooks.script(new_notebook(cells=[new_code_cell("%time 1")]), "demo.ipynb")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_student_notebook_fails_only_at_the_exercises(name):
+    """Run the student copy as a student would: the only errors are the exercises' NotImplementedError
+    (surfacing in their check cells) and the cells that demonstrate an error on purpose."""
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    exercises = sum("NotImplementedError(" in c.source for c in nb.cells if c.cell_type == "code")
+    not_implemented = 0
+    for i, cell in enumerate(nb.cells):
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if not errors or "raises-exception" in cell.metadata.get("tags", []):
+            continue
+        text = f"{errors[0].ename}: {errors[0].evalue}"
+        assert "NotImplementedError" in text, f"{name} cell {i} fails for another reason: {text[:300]}"
+        not_implemented += 1
+    assert not_implemented >= exercises > 0
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
+    script = tmp_path / name.replace(".ipynb", ".py")
+    assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script)]) == 0
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={nproc}", str(script)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes_nbval_with_the_spawn_start_method(name):
+    """The macOS path, on Linux: every function the notebook sends to its ranks must survive pickling."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"solutions/{name}"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "SPAWN_START_METHOD": "spawn"})
+    assert run.returncode == 0, run.stdout[-5000:]

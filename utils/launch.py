@@ -1,0 +1,391 @@
+"""Start ranks: `spawn(fn, world_size)` runs `fn(rank, world_size)` on `world_size` processes.
+
+The one way the course starts ranks: in a notebook, a script, a test, or under torchrun.
+
+Why not `torch.multiprocessing.spawn`? It ships `fn` by reference, so a function defined in a
+notebook cell never reaches the children; it starts every child with the `spawn` method (seconds
+per call); the children's prints bypass the notebook; and a rank that skips a collective hangs
+for the default 30 minutes. Here instead:
+
+- `fn` travels by value (cloudpickle): notebook functions, lambdas and closures all work;
+- ranks are forked on Linux (a fraction of a second) and spawned elsewhere (fork is unsafe on macOS);
+- ranks meet through a FileStore in a temporary folder: no port to pick or collide on, nothing
+  listens on the network, and gloo's own sockets stay on the loopback interface;
+- each rank's stdout and stderr go to files that the caller prints afterwards, in rank order,
+  each line prefixed `[rank R] `;
+- a rank that raises ends the call within seconds with that rank's traceback; a rank that stalls
+  ends it after `timeout` seconds with where every unfinished rank was stuck.
+"""
+import atexit
+import contextlib
+import datetime
+import faulthandler
+import io
+import linecache
+import multiprocessing as mp
+import operator
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from multiprocessing.connection import wait as wait_for_any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+START_METHOD_ENV = "SPAWN_START_METHOD"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+BACKENDS = ("gloo", "nccl")
+STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
+FRAME = re.compile(r'File "(.*)", line (\d+) in (.*)')  # a frame in a faulthandler dump
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception or died. `rank` is the first rank that failed."""
+
+    def __init__(self, rank, world_size, summary, details=""):
+        self.rank, self.summary = rank, summary
+        message = f"rank {rank} of {world_size} failed: {summary}"
+        super().__init__(message + (f"\n\n{details}" if details else ""))
+
+
+def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None, **kwargs):
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.
+
+    The default process group is ready when `fn` starts and destroyed when it returns. The
+    result is the list of return values in rank order. `timeout` counts from the moment every
+    rank has joined the group (starting up has its own STARTUP_SECONDS). Under torchrun, `fn` runs on the ranks
+    torchrun started (in this process) and every rank gets the whole list.
+    """
+    check_arguments(fn, world_size, backend, timeout, start_method)
+    if under_torchrun():
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+    if backend == "nccl" and start_method is None:
+        start_method = "spawn"  # CUDA does not survive fork
+    return _run_local(fn, world_size, args, kwargs, backend, timeout, resolve_start_method(start_method))
+
+
+# ---------------------------------------------------------------- arguments and environment
+
+def check_arguments(fn, world_size, backend="gloo", timeout=60.0, start_method=None):
+    """Fail before any process starts, with a message that says what to change."""
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be a function taking (rank, world_size, ...), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not hasattr(type(world_size), "__index__"):
+        raise TypeError(f"spawn: world_size must be an int, got {world_size!r}")
+    if operator.index(world_size) < 1:
+        raise ValueError(f"spawn: world_size must be at least 1, got {world_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"spawn: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        needed = 1 if under_torchrun() else world_size
+        if torch.cuda.device_count() < needed:
+            raise ValueError(f"spawn: backend='nccl' needs {needed} GPU(s) on this machine, found "
+                             f"{torch.cuda.device_count()}; use backend='gloo' on CPU")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"spawn: timeout must be a number of seconds, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"spawn: timeout must be positive, got {timeout}")
+    if start_method is not None:
+        resolve_start_method(start_method)
+
+
+def resolve_start_method(start_method=None):
+    """fork on Linux (fast); spawn elsewhere; `start_method` or $SPAWN_START_METHOD overrides."""
+    default = "fork" if sys.platform.startswith("linux") else "spawn"
+    method = start_method or os.environ.get(START_METHOD_ENV) or default
+    if method not in mp.get_all_start_methods():
+        raise ValueError(f"spawn: start method must be one of {mp.get_all_start_methods()}, got {method!r}")
+    return method
+
+
+def under_torchrun():
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def threads_per_rank(world_size):
+    """Share the cores: 4 ranks on 2 cores with 2 threads each would fight over them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+def loopback_interface():
+    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS), for GLOO_SOCKET_IFNAME."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), None))
+
+
+# ---------------------------------------------------------------- under torchrun
+
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout):
+    torchrun_world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world_size != torchrun_world_size:
+        raise ValueError(f"spawn: world_size={world_size} but torchrun started {torchrun_world_size} "
+                         f"ranks; pass world_size=int(os.environ['WORLD_SIZE'])")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output):
+            result = fn(rank, world_size, *args, **kwargs)
+    except BaseException:
+        _print_prefixed(output.getvalue(), rank, sys.stdout)
+        raise
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (output.getvalue(), result))
+    if rank == 0:  # every rank's lines once, in rank order, as in a notebook
+        for r, (text, _) in enumerate(gathered):
+            _print_prefixed(text, r, sys.stdout)
+    return [r for _, r in gathered]
+
+
+# ---------------------------------------------------------------- local processes
+
+def _run_local(fn, world_size, args, kwargs, backend, timeout, start_method):
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        raise TypeError(f"spawn: cannot send fn and its arguments to the ranks: {e}") from e
+    rundir = tempfile.mkdtemp(prefix="spawn-")
+    context = mp.get_context(start_method)
+    procs, ready = [], []
+    try:
+        sys.stdout.flush()  # or a forked child could print the parent's pending output again
+        sys.stderr.flush()
+        with warnings.catch_warnings():  # Python >= 3.12 warns on fork from a threaded process (a
+            warnings.simplefilter("ignore", DeprecationWarning)  # Jupyter kernel); ranks use no parent thread
+            for rank in range(world_size):
+                ready_receiver, ready_sender = context.Pipe(duplex=False)
+                procs.append(context.Process(
+                    target=_rank_main, name=f"rank {rank}",
+                    args=(rank, world_size, backend, timeout, payload, rundir, os.getpid(), ready_sender)))
+                procs[-1].start()
+                ready_sender.close()  # the rank holds the only sender: its exit closes the pipe
+                ready.append(ready_receiver)
+        outcome, ranks = _wait(procs, ready, rundir, timeout)
+        if outcome == "stalled":
+            where = _where_stuck(procs, ranks, rundir)
+            raise TimeoutError(_stall_message(ranks, world_size, timeout, where))
+        if outcome == "failed":
+            raise _first_failure(procs, rundir, killed=_stop(procs))
+        return [_read_report(rundir, rank)[1] for rank in range(world_size)]
+    finally:  # after success, failure, timeout or Ctrl-C: no rank outlives the call
+        _stop(procs)
+        _print_outputs(rundir, len(procs))
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _stop(procs):
+    """Kill the ranks still running; return their numbers."""
+    killed = {rank for rank, p in enumerate(procs) if p.is_alive()}
+    for rank in killed:
+        procs[rank].kill()
+    for p in procs:
+        p.join()
+    return killed
+
+
+def _wait(procs, ready, rundir, timeout):
+    """Wait until all ranks finish ("ok"), one fails ("failed") or time runs out ("stalled").
+
+    The clock starts once every rank has joined the group (a message on its `ready` pipe):
+    with the spawn start method, importing torch alone can take seconds.
+    """
+    deadline = time.monotonic() + STARTUP_SECONDS + timeout
+    running = {p.sentinel: rank for rank, p in enumerate(procs)}
+    starting = {conn: rank for rank, conn in enumerate(ready)}
+    while running:
+        events = wait_for_any([*running, *starting], timeout=max(0.0, deadline - time.monotonic()))
+        if not events:
+            return "stalled", sorted(running.values())
+        for event in events:
+            if event in starting:
+                del starting[event]  # joined (or died, which the sentinel reports)
+                if not starting:
+                    deadline = time.monotonic() + timeout
+                continue
+            rank = running.pop(event)
+            procs[rank].join()
+            if procs[rank].exitcode != 0 or _read_report(rundir, rank)[0] != "ok":
+                return "failed", [rank]
+    return "ok", []
+
+
+def _rank_main(rank, world_size, backend, timeout, payload, rundir, parent_pid, ready):
+    """The body of one rank's process: capture output, join the group, run fn, report."""
+    _capture_output(rundir, rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the caller, which stops every rank
+    _exit_with_parent(parent_pid)
+    stack_file = open(os.path.join(rundir, f"{rank}.stack"), "w")
+    stack_file.write(f"main thread {threading.get_ident():#x}\n")
+    stack_file.flush()
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # for _where_stuck
+    torch.set_num_threads(threads_per_rank(world_size))
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(os.path.join(rundir, "store"), world_size)
+        # The caller enforces `timeout`; gloo's own limit only has to be longer.
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=STARTUP_SECONDS + timeout))
+        ready.send(rank)
+        ready.close()
+        result = fn(rank, world_size, *args, **kwargs)
+        dist.destroy_process_group()
+        report = cloudpickle.dumps(("ok", result))
+    except BaseException as e:
+        report = _error_report(e)
+    _write_report(rundir, rank, report)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _capture_output(rundir, rank):
+    """Send this process's stdout and stderr (Python and C level) to files in rundir."""
+    for fd, suffix in ((1, "out"), (2, "err")):
+        f = os.open(os.path.join(rundir, f"{rank}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
+def _exit_with_parent(parent_pid):
+    """If the caller dies (a killed kernel), its ranks must not linger."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# ---------------------------------------------------------------- reports
+
+def _error_report(e):
+    """What the caller needs to name the failure: when, what, and the traceback in fn."""
+    tb = e.__traceback__.tb_next if e.__traceback__ else None  # skip _rank_main's own frame
+    summary = "".join(traceback.format_exception_only(type(e), e)).strip()
+    # lookup_lines=False: the caller fills in source lines, and it has the notebook's cells
+    details = traceback.TracebackException(type(e), e, tb, lookup_lines=False)
+    try:
+        return cloudpickle.dumps(("error", time.time(), summary, details))
+    except Exception:
+        return pickle.dumps(("error", time.time(), summary, "".join(details.format())))
+
+
+def _write_report(rundir, rank, report):
+    path = os.path.join(rundir, f"{rank}.report")
+    with open(path + ".tmp", "wb") as f:
+        f.write(report)
+    os.replace(path + ".tmp", path)  # the caller never reads half a report
+
+
+def _read_report(rundir, rank):
+    """("ok", result), ("error", time, summary, details), or ("none",) if the rank left none."""
+    try:
+        with open(os.path.join(rundir, f"{rank}.report"), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return ("none",)
+    except Exception as e:
+        return ("error", float("inf"), f"its return value could not be read back: {e!r}", "")
+
+
+def _first_failure(procs, rundir, killed):
+    """The root cause: a rank that died, else the earliest exception (not the errors it caused)."""
+    died = [rank for rank, p in enumerate(procs)
+            if rank not in killed and p.exitcode != 0 and _read_report(rundir, rank)[0] == "none"]
+    if died:
+        code = procs[died[0]].exitcode
+        how = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        return RankError(died[0], len(procs), f"its process {how} before fn returned")
+    errors = [(report[1], rank, report) for rank in range(len(procs))
+              if (report := _read_report(rundir, rank))[0] == "error"]
+    _, rank, (_, _, summary, details) = min(errors)
+    if not isinstance(details, str):
+        details = "".join(details.format())
+    details = details.replace("Traceback (most recent", f"Traceback from rank {rank} (most recent", 1)
+    return RankError(rank, len(procs), summary, details.rstrip())
+
+
+# ---------------------------------------------------------------- output
+
+def _print_outputs(rundir, world_size):
+    for suffix, stream in (("out", sys.stdout), ("err", sys.stderr)):
+        for rank in range(world_size):
+            try:
+                with open(os.path.join(rundir, f"{rank}.{suffix}"), encoding="utf-8", errors="replace") as f:
+                    _print_prefixed(f.read(), rank, stream)
+            except FileNotFoundError:
+                pass
+    sys.stdout.flush()
+
+
+def _print_prefixed(text, rank, stream):
+    for line in text.splitlines():
+        print(f"[rank {rank}] {line}".rstrip(), file=stream)
+
+
+# ---------------------------------------------------------------- stalls
+
+def _where_stuck(procs, ranks, rundir, wait=1.0):
+    """Ask each stalled rank for its Python stack (faulthandler on SIGUSR1); one line per rank."""
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + wait
+    stacks = {}
+    for rank in ranks:
+        path = os.path.join(rundir, f"{rank}.stack")
+        text = ""
+        while "File" not in text and time.monotonic() < deadline:
+            with contextlib.suppress(FileNotFoundError), open(path) as f:
+                text = f.read()
+            time.sleep(0.01)
+        stacks[rank] = _innermost_user_frame(text)
+    return stacks
+
+
+def _innermost_user_frame(text):
+    """From a faulthandler dump, the main thread's innermost frame outside torch and Python."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("main thread"):
+        return "still starting up"
+    main, frames, in_main = int(lines[0].split()[-1], 16), [], False
+    for line in lines[1:]:
+        if "thread 0x" in line.lower():
+            in_main = int(line.split("0x", 1)[1].split()[0], 16) == main
+        elif in_main and (m := FRAME.search(line)):
+            frames.append((m[1], int(m[2]), m[3]))
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__),
+               os.path.dirname(cloudpickle.__file__), __file__)
+    user = [f for f in frames if not f[0].startswith(library)] or frames
+    if not user:
+        return "unknown"
+    path, lineno, name = user[0]
+    source = linecache.getline(path, lineno).strip()
+    return f"in {name}(), line {lineno}" + (f": {source}" if source else "")
+
+
+def _stall_message(ranks, world_size, timeout, where):
+    names = ", ".join(map(str, ranks))
+    lines = [f"spawn: rank{'s' if len(ranks) > 1 else ''} {names} of {world_size} did not finish "
+             f"within {timeout:g} s and {'were' if len(ranks) > 1 else 'was'} stopped. Where each one was:"]
+    lines += [f"  rank {rank}: {where[rank]}" for rank in ranks]
+    lines.append("A rank waiting in a collective is waiting for a rank that never joined it.")
+    return "\n".join(lines)

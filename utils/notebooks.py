@@ -1,0 +1,130 @@
+"""The student notebooks are generated from the solutions; a notebook also exports as a script.
+
+    python -m utils.notebooks              write notebooks/NN_*.ipynb from solutions/NN_*.ipynb
+    python -m utils.notebooks --check      exit 1, naming the notebook, when notebooks/ is stale
+    python -m utils.notebooks --script solutions/00_setup.ipynb
+                                           write build/00_setup.py, to run under torchrun
+
+In a solution, an exercise's answer sits between `### BEGIN SOLUTION` and `### END SOLUTION`
+(nbgrader's markers). The student copy replaces each region by `raise NotImplementedError(...)`
+at the region's indentation and drops every output; everything else is kept as it is.
+"""
+import argparse
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+DEF = re.compile(r"^\s*def (\w+)\(")
+# Cells that demonstrate an error: in a script the first one would end the run.
+SKIP_IN_SCRIPT = "raises-exception"
+
+
+def strip_solutions(source, where="cell"):
+    """Replace each solution region of a cell's source by a NotImplementedError."""
+    lines, inside, exercise = [], False, "exercise"
+    for line in source.splitlines():
+        marker = line.strip()
+        if marker.startswith(BEGIN):
+            if inside:
+                raise ValueError(f"{where}: '{BEGIN}' inside another solution region")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            lines.append(f'{indent}raise NotImplementedError("{exercise}: your code goes here")')
+        elif marker.startswith(END):
+            if not inside:
+                raise ValueError(f"{where}: '{END}' without '{BEGIN}'")
+            inside = False
+        elif not inside:
+            lines.append(line)
+            if m := DEF.match(line):
+                exercise = m[1]
+    if inside:
+        raise ValueError(f"{where}: '{BEGIN}' is never closed by '{END}'")
+    return "\n".join(lines)
+
+
+def student_notebook(solution, name="notebook"):
+    """The student's copy of a solution notebook: answers replaced, outputs and counts cleared."""
+    nb = copy.deepcopy(solution)
+    for i, cell in enumerate(nb.cells):
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.source = strip_solutions(cell.source, where=f"{name}, cell {i}")
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def render(nb):
+    return nbformat.writes(nb) + "\n"
+
+
+def expected_notebooks(root=ROOT):
+    """{path of a student notebook: the text it should have}, from root/solutions."""
+    return {root / "notebooks" / path.name:
+            render(student_notebook(nbformat.read(path, as_version=4), name=str(path.relative_to(root))))
+            for path in sorted((root / "solutions").glob("*.ipynb"))}
+
+
+def stale_notebooks(root=ROOT):
+    """Student notebooks that are missing, out of date, or have no solution."""
+    expected = expected_notebooks(root)
+    stale = [p for p, text in expected.items() if not p.exists() or p.read_text() != text]
+    stale += [p for p in sorted((root / "notebooks").glob("*.ipynb")) if p not in expected]
+    return stale
+
+
+def write_notebooks(root=ROOT):
+    (root / "notebooks").mkdir(exist_ok=True)
+    written = []
+    for path, text in expected_notebooks(root).items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            written.append(path)
+    return written
+
+
+def script(nb, source_name):
+    """The notebook's code as plain Python, without the cells that demonstrate an error."""
+    parts = [f"# Generated from {source_name} by `python -m utils.notebooks --script`.\n"
+             f"# Run: torchrun --standalone --nproc_per_node=2 <this file>\n"]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or SKIP_IN_SCRIPT in cell.metadata.get("tags", []):
+            continue
+        if any(line.lstrip().startswith(("%", "!")) for line in cell.source.splitlines()):
+            raise ValueError(f"{source_name}, cell {i}: IPython magics do not run as a script")
+        parts.append(f"# %% cell {i}\n{cell.source}\n")
+    return "\n".join(parts)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if notebooks/ is out of date")
+    parser.add_argument("--script", metavar="NOTEBOOK", help="export NOTEBOOK as a Python script")
+    parser.add_argument("-o", "--output", help="where --script writes (default: build/NAME.py)")
+    parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)  # for tests
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    if args.script:
+        source = Path(args.script)
+        out = Path(args.output) if args.output else root / "build" / (source.stem + ".py")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(script(nbformat.read(source, as_version=4), source.name))
+        print(out)
+        return 0
+    if args.check:
+        stale = stale_notebooks(root)
+        for path in stale:
+            print(f"{path.relative_to(root)} is out of date: run `python -m utils.notebooks`")
+        return 1 if stale else 0
+    for path in write_notebooks(root):
+        print(f"wrote {path.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
