@@ -103,13 +103,19 @@ def resolve_start_method(start_method=None):
     """fork on Linux (fast); spawn elsewhere; `start_method` or $SPAWN_START_METHOD overrides."""
     default = "fork" if sys.platform.startswith("linux") else "spawn"
     method = start_method or os.environ.get(START_METHOD_ENV) or default
-    if method not in mp.get_all_start_methods():
-        raise ValueError(f"spawn: start method must be one of {mp.get_all_start_methods()}, got {method!r}")
+    methods = [m for m in ("fork", "spawn") if m in mp.get_all_start_methods()]  # forkserver: the
+    if method not in methods:  # ranks' parent would be the server, and they watch their parent
+        raise ValueError(f"spawn: start method must be one of {methods}, got {method!r}")
     return method
 
 
 def under_torchrun():
     return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def runnable_world_sizes(world_sizes):
+    """The world sizes spawn can start here: all of them, or under torchrun only torchrun's own."""
+    return [int(os.environ["WORLD_SIZE"])] if under_torchrun() else list(world_sizes)
 
 
 def threads_per_rank(world_size):
@@ -168,12 +174,15 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, start_method):
             warnings.simplefilter("ignore", DeprecationWarning)  # Jupyter kernel); ranks use no parent thread
             for rank in range(world_size):
                 ready_receiver, ready_sender = context.Pipe(duplex=False)
-                procs.append(context.Process(
-                    target=_rank_main, name=f"rank {rank}",
-                    args=(rank, world_size, backend, timeout, payload, rundir, os.getpid(), ready_sender)))
-                procs[-1].start()
-                ready_sender.close()  # the rank holds the only sender: its exit closes the pipe
                 ready.append(ready_receiver)
+                proc = context.Process(
+                    target=_rank_main, name=f"rank {rank}",
+                    args=(rank, world_size, backend, timeout, payload, rundir, os.getpid(), ready_sender))
+                try:
+                    proc.start()
+                finally:
+                    ready_sender.close()  # the rank holds the only sender: its exit closes the pipe
+                procs.append(proc)  # only started processes: the cleanup joins every one of them
         outcome, ranks = _wait(procs, ready, rundir, timeout)
         if outcome == "stalled":
             where = _where_stuck(procs, ranks, rundir)
@@ -218,7 +227,9 @@ def _wait(procs, ready, rundir, timeout):
                 continue
             rank = running.pop(event)
             procs[rank].join()
-            if procs[rank].exitcode != 0 or _read_report(rundir, rank)[0] != "ok":
+            # The report, not the exit code, says how fn ended: a rank forked from a thread-pool
+            # worker exits with code 1 after a clean run (Python's exit hook joins the pool).
+            if _read_report(rundir, rank)[0] != "ok":
                 return "failed", [rank]
     return "ok", []
 
@@ -243,6 +254,7 @@ def _rank_main(rank, world_size, backend, timeout, payload, rundir, parent_pid, 
         # The caller enforces `timeout`; gloo's own limit only has to be longer.
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=STARTUP_SECONDS + timeout))
+        dist.barrier()  # every rank has finished connecting before any can return and hang up
         ready.send(rank)
         ready.close()
         result = fn(rank, world_size, *args, **kwargs)
@@ -308,12 +320,14 @@ def _read_report(rundir, rank):
 
 def _first_failure(procs, rundir, killed):
     """The root cause: a rank that died, else the earliest exception (not the errors it caused)."""
-    died = [rank for rank, p in enumerate(procs)
-            if rank not in killed and p.exitcode != 0 and _read_report(rundir, rank)[0] == "none"]
+    died = [rank for rank in range(len(procs)) if rank not in killed and _read_report(rundir, rank)[0] == "none"]
     if died:
-        code = procs[died[0]].exitcode
-        how = (f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
-        return RankError(died[0], len(procs), f"its process {how} before fn returned")
+        rank, code = died[0], procs[died[0]].exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(rundir, f"{rank}.err")) as f:
+            last_words = "".join(f.readlines()[-5:]).rstrip()  # e.g. gloo's reason for aborting
+        details = f"The last lines it wrote to stderr:\n{last_words}" if last_words else ""
+        return RankError(rank, len(procs), f"its process {how} before fn returned", details)
     errors = [(report[1], rank, report) for rank in range(len(procs))
               if (report := _read_report(rundir, rank))[0] == "error"]
     _, rank, (_, _, summary, details) = min(errors)
