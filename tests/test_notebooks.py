@@ -3,6 +3,7 @@ copies that stop exactly at the exercises, and every solution running under torc
 spawn start method."""
 import os
 import subprocess
+import time
 import sys
 
 import nbformat
@@ -145,3 +146,36 @@ def test_solution_passes_nbval_with_the_spawn_start_method(name):
                          capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "SPAWN_START_METHOD": "spawn"})
     assert run.returncode == 0, run.stdout[-5000:]
+
+
+def test_interrupting_the_kernel_stops_the_ranks_and_the_next_cell_works(tmp_path):
+    """The stop button in Jupyter: the ranks of the interrupted cell must not outlive it."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        stuck = (f"import os, time\nfrom utils.launch import spawn\n"
+                 f"def stuck(rank, world_size):\n"
+                 f"    open(os.path.join({str(tmp_path)!r}, f'{{os.getpid()}}.pid'), 'w').close()\n"
+                 f"    time.sleep(60)\n"
+                 f"spawn(stuck, 2)")
+        msg_id = client.execute(stuck)
+        for _ in range(200):
+            if len(list(tmp_path.glob("*.pid"))) == 2:
+                break
+            time.sleep(0.05)
+        pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 2, "the ranks did not start"
+        manager.interrupt_kernel()
+        reply = client.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = client.get_shell_msg(timeout=30)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        reply = client.execute_interactive("assert spawn(lambda r, w: r * 10, 2) == [0, 10]", timeout=60)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
