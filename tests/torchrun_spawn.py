@@ -9,15 +9,11 @@ Each rank prints "rank R ok (...)" after each check; any failed check exits non-
 """
 import os
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `utils`
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from utils.launch import spawn  # noqa: E402
+from utils.launch import spawn
 
 
 def fn(rank, world_size, scale=1):
