@@ -1,0 +1,47 @@
+"""The course's plots, one function each: notebooks call them, tests never look at them.
+
+Each draws a new figure and returns None, so that a notebook cell shows it once (Jupyter's inline
+backend displays the figures a cell made).
+"""
+import matplotlib.pyplot as plt
+
+from utils.bench import format_bytes
+
+
+def _size_axis(ax, sizes):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [format_bytes(s) for s in sizes], rotation=45)
+    ax.minorticks_off()
+
+
+def plot_bandwidth(rows, ceiling=None):
+    """rows: (op, world_size, size_bytes, bus_bytes_per_s). One line per (op, world size)."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for op, world_size in sorted({(r[0], r[1]) for r in rows}):
+        points = sorted((size, bus) for o, n, size, bus in rows if (o, n) == (op, world_size))
+        ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], marker="o",
+                linestyle="-" if world_size == 2 else "--", label=f"{op}, {world_size} ranks")
+    if ceiling:
+        ax.axhline(ceiling / 1e9, color="gray", linestyle=":", label="memory copy (ceiling)")
+    _size_axis(ax, sorted({r[2] for r in rows}))
+    ax.set_xlabel("tensor size")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title("gloo collectives on this machine")
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_alpha_beta(sizes, seconds, alpha, beta):
+    """Measured one-way times of send/recv against the fitted t = alpha + size / beta."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, [s * 1e6 for s in seconds], "o", label="measured (half a round trip)")
+    fine = [sizes[0] * (sizes[-1] / sizes[0]) ** (k / 100) for k in range(101)]
+    ax.plot(fine, [(alpha + s / beta) * 1e6 for s in fine], "-",
+            label=f"alpha + size/beta: alpha = {alpha * 1e6:.0f} us, beta = {beta / 1e9:.2f} GB/s")
+    _size_axis(ax, sizes)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size")
+    ax.set_ylabel("time (microseconds)")
+    ax.set_title("point-to-point: latency, then bandwidth")
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
