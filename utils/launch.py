@@ -63,8 +63,8 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None
 
     The default process group is ready when `fn` starts and destroyed when it returns. The
     result is the list of return values in rank order. `timeout` counts from the moment every
-    rank has joined the group (starting up has its own STARTUP_SECONDS). Under torchrun, `fn` runs on the ranks
-    torchrun started (in this process) and every rank gets the whole list.
+    rank has joined the group (starting up has its own STARTUP_SECONDS). Under torchrun, `fn`
+    runs on the ranks torchrun started (in this process) and every rank gets the whole list.
     """
     check_arguments(fn, world_size, backend, timeout, start_method)
     if under_torchrun():
@@ -237,6 +237,7 @@ def _wait(procs, ready, rundir, timeout):
 def _rank_main(rank, world_size, backend, timeout, payload, rundir, parent_pid, ready):
     """The body of one rank's process: capture output, join the group, run fn, report."""
     _capture_output(rundir, rank)
+    faulthandler.enable(file=sys.stderr)  # a crash dumps this rank's Python stack into its own stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the caller, which stops every rank
     _exit_with_parent(parent_pid)
     stack_file = open(os.path.join(rundir, f"{rank}.stack"), "w")
@@ -324,9 +325,11 @@ def _first_failure(procs, rundir, killed):
     if died:
         rank, code = died[0], procs[died[0]].exitcode
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        last_words = ""
         with contextlib.suppress(FileNotFoundError), open(os.path.join(rundir, f"{rank}.err")) as f:
-            last_words = "".join(f.readlines()[-5:]).rstrip()  # e.g. gloo's reason for aborting
-        details = f"The last lines it wrote to stderr:\n{last_words}" if last_words else ""
+            before_crash_dump = f.read().split("Fatal Python error")[0]  # e.g. gloo's reason for aborting
+            last_words = "\n".join(before_crash_dump.rstrip().splitlines()[-5:])
+        details = f"The last lines it wrote to stderr (all of them are printed above):\n{last_words}" if last_words else ""
         return RankError(rank, len(procs), f"its process {how} before fn returned", details)
     errors = [(report[1], rank, report) for rank in range(len(procs))
               if (report := _read_report(rundir, rank))[0] == "error"]
