@@ -329,7 +329,7 @@ def _first_failure(procs, rundir, killed):
         with contextlib.suppress(FileNotFoundError), open(os.path.join(rundir, f"{rank}.err")) as f:
             before_crash_dump = f.read().split("Fatal Python error")[0]  # e.g. gloo's reason for aborting
             last_words = "\n".join(before_crash_dump.rstrip().splitlines()[-5:])
-        details = f"The last lines it wrote to stderr (all of them are printed above):\n{last_words}" if last_words else ""
+        details = f"The last lines it wrote to stderr (all printed above):\n{last_words}" if last_words else ""
         return RankError(rank, len(procs), f"its process {how} before fn returned", details)
     errors = [(report[1], rank, report) for rank in range(len(procs))
               if (report := _read_report(rundir, rank))[0] == "error"]

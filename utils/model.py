@@ -1,0 +1,136 @@
+"""The course's one toy model, its data, its loss, and the single-process reference training run.
+
+Notebooks 02-05 split this model across ranks (data, tensor, pipeline parallel, FSDP) and compare
+with `train_reference`. So everything random here comes from its own generator, seeded from
+(seed, layer) or (seed, step): every process can rebuild any layer or any batch on its own,
+bit for bit, whatever the global RNG state and in whatever order it builds them.
+"""
+import hashlib
+import operator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WEIGHTS, BATCHES = 0, 1  # separate random streams: a batch never repeats a weight matrix
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden_dim):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return F.gelu(self.linear(x))
+
+
+class MLP(nn.Module):
+    """Parameters are named `layers.{i}.linear.weight`: what TP plans, fully_shard and PP splits address."""
+
+    def __init__(self, hidden_dim, num_layers):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(hidden_dim) for _ in range(num_layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def check_int(name, value, minimum=1):
+    """The course's rule: a bad size fails at once with a ValueError that names it."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if operator.index(value) < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return operator.index(value)
+
+
+def generator(seed, stream, index):
+    """A generator that depends only on (seed, stream, index), the same in every process."""
+    # The CPU generator keeps only the low 32 bits of its seed (2**32 + 5 draws what 5 draws), so
+    # packing the three numbers into one big int would repeat streams; hash them into 32 bits instead.
+    key = hashlib.sha256(f"{seed},{stream},{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key[:4], "little"))
+
+
+def layer_weight(hidden_dim, seed, layer, dtype=torch.float64):
+    """Layer `layer`'s weight alone (a stage or a shard builds only its own), randn / sqrt(hidden_dim).
+
+    The 1 / sqrt(hidden_dim) keeps x @ W.T at the scale of x: outputs neither explode nor vanish.
+    """
+    hidden_dim, seed = check_int("hidden_dim", hidden_dim), check_int("seed", seed, 0)
+    layer = check_int("layer", layer, 0)
+    w = torch.randn(hidden_dim, hidden_dim, generator=generator(seed, WEIGHTS, layer), dtype=torch.float64)
+    return (w / hidden_dim**0.5).to(dtype)  # drawn in float64: every dtype holds the same model, rounded
+
+
+def build_mlp(hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """The model every notebook trains: the same weights in any process, they depend only on `seed`."""
+    hidden_dim, num_layers = check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers)
+    with torch.device("meta"):  # no default init: it would draw from (and advance) the global RNG
+        model = MLP(hidden_dim, num_layers)
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            layer.linear.weight.copy_(layer_weight(hidden_dim, seed, i, dtype))
+    return model
+
+
+def loss_fn(output):
+    """The mean of the squared outputs: no targets needed (as in CS336's parallelism lecture).
+
+    The mean is over every element of the whole batch. A data-parallel rank that takes the mean over
+    its own slice gets the gradient of a different loss: the ranks must average their gradients
+    (equal slices) to get the full batch's. Likewise a micro-batch's loss must be weighted by its
+    share of the batch (its size / the batch size) before the gradients are summed.
+    """
+    return output.square().mean()
+
+
+def make_batch(batch_size, hidden_dim, seed, step=0, dtype=torch.float64):
+    """The whole input batch of step `step`: every rank can make it and take its own slice."""
+    batch_size, hidden_dim = check_int("batch_size", batch_size), check_int("hidden_dim", hidden_dim)
+    step, seed = check_int("step", step, 0), check_int("seed", seed, 0)
+    x = torch.randn(batch_size, hidden_dim, generator=generator(seed, BATCHES, step), dtype=torch.float64)
+    return x.to(dtype)
+
+
+def local_batch(batch, rank, world_size):
+    """This rank's contiguous slice of the batch: rows [rank * n, (rank + 1) * n), n = batch_size / world_size."""
+    world_size = check_int("world_size", world_size)
+    rank = check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
+    batch_size = len(batch)
+    if batch_size % world_size:
+        raise ValueError(f"batch size {batch_size} is not divisible by world size {world_size}: "
+                         f"each rank must get the same number of rows")
+    local_batch_size = batch_size // world_size
+    return batch[rank * local_batch_size:(rank + 1) * local_batch_size]
+
+
+def make_optimizer(params, name, lr=None):
+    # foreach=False: one parameter at a time, the same arithmetic however the parameters are
+    # grouped or sharded (on CPU it is the default; foreach=True agreed bit for bit here too)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1 if lr is None else lr, foreach=False)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2 if lr is None else lr, weight_decay=0.01, foreach=False)
+    raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r}")
+
+
+def train_reference(hidden_dim, num_layers, batch_size, num_steps, optimizer="sgd", lr=None, seed=0,
+                    dtype=torch.float64):
+    """The single-process run every parallel version must reproduce: (final weights by layer, losses by step)."""
+    batch_size, num_steps = check_int("batch_size", batch_size), check_int("num_steps", num_steps, 0)
+    model = build_mlp(hidden_dim, num_layers, seed, dtype)
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    losses = []
+    for step in range(num_steps):
+        loss = loss_fn(model(make_batch(batch_size, hidden_dim, seed, step, dtype)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return [layer.linear.weight.detach().clone() for layer in model.layers], losses
