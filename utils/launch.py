@@ -360,7 +360,7 @@ def _print_prefixed(text, rank, stream):
 
 # ---------------------------------------------------------------- stalls
 
-def _where_stuck(procs, ranks, rundir, wait=1.0):
+def _where_stuck(procs, ranks, rundir, wait=3.0):  # more than enough, even on a busy machine
     """Ask each stalled rank for its Python stack (faulthandler on SIGUSR1); one line per rank."""
     for rank in ranks:
         with contextlib.suppress(ProcessLookupError):
