@@ -45,3 +45,12 @@ def plot_alpha_beta(sizes, seconds, alpha, beta):
     ax.set_title("point-to-point: latency, then bandwidth")
     ax.legend(fontsize=8)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_step_times(seconds, title):
+    """seconds: {version: median step time}. One bar per version, in the order given."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(list(seconds), [s * 1e3 for s in seconds.values()], color=["gray", "tab:blue", "tab:green", "tab:orange"])
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(title)
+    fig.tight_layout()
