@@ -161,3 +161,10 @@ def test_record_communication_counts_each_call_once():
     from utils.launch import spawn
 
     assert spawn(_counted, 2) == [(120, 1, 5), (40, 1, 5)]
+
+
+def test_max_abs_diff_counts_nan_as_infinitely_far():
+    from utils.checks import max_abs_diff
+
+    assert max_abs_diff(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])) == float("inf")
+    assert max_abs_diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == 0.5

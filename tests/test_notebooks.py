@@ -154,6 +154,7 @@ def test_solution_holds_for_other_parameters(name):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_runs_with_the_spawn_start_method_on_two_ranks(name):
     """The macOS path, on Linux: every function the notebook sends to its ranks must survive pickling
@@ -174,6 +175,7 @@ def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # minutes per notebook, more on a busy machine
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_passes_strict_nbval_with_the_spawn_start_method(name):
     """The stored outputs, to the letter, with ranks started by spawn (minutes: marked slow)."""

@@ -21,7 +21,11 @@ def seeded_randn(shape, seed, rank=0, dtype=torch.float64):
 
 
 def max_abs_diff(a, b):
-    return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item() if a.numel() else 0.0
+    """The largest |a - b| in float64; infinite where either holds a NaN (NaN > tolerance is False)."""
+    if not a.numel():
+        return 0.0
+    diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    return float("inf") if diff.isnan().any() else diff.max().item()
 
 
 # ---------------------------------------------------------------- 00 setup: average_over_ranks
