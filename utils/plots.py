@@ -54,3 +54,20 @@ def plot_step_times(seconds, title):
     ax.set_ylabel("median step time (ms)")
     ax.set_title(title)
     fig.tight_layout()
+
+
+def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crossover, title):
+    """Bytes each rank sends per step against the batch size: TP grows with it, DP does not."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(batch_sizes, tensor_parallel, "o-", label="tensor parallel (activations)")
+    ax.plot(batch_sizes, data_parallel, "s--", label="data parallel (gradients)")
+    ax.axvline(crossover, color="gray", linestyle=":", label=f"crossover: batch {crossover:.3g}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (rows, whole batch)")
+    ax.set_ylabel("bytes sent per rank per step")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing

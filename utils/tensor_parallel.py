@@ -1,0 +1,126 @@
+"""Tensor parallel (notebook 03): the size rule, the shards, the MLP built from the student's layers, DTensor's.
+
+Layer i of the course's MLP is `x -> gelu(x @ W_i.T)`, W_i of shape (hidden, hidden) stored (out, in).
+Layers pair up, Megatron style: layer 2k is column parallel (rank r holds rows r*h/N ... of W: a
+slice of the output features), layer 2k+1 is row parallel (rank r holds the same range of columns:
+a slice of the input features). Every shard is cut from `utils.model.layer_weight`, so it is exactly
+the reference's slice.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from utils.model import check_int, layer_weight, loss_fn, make_batch, make_optimizer
+
+
+def check_sizes(hidden_dim, world_size, num_layers=2):
+    """hidden_dim must split evenly over the ranks; layers come in (column, row) pairs."""
+    hidden_dim, world_size = check_int("hidden_dim", hidden_dim), check_int("world_size", world_size)
+    num_layers = check_int("num_layers", num_layers)
+    if hidden_dim % world_size:
+        raise ValueError(f"hidden dim {hidden_dim} is not divisible by world size {world_size}: "
+                         f"each rank must hold the same number of features")
+    if num_layers % 2:
+        raise ValueError(f"num layers {num_layers} is odd: tensor parallel layers come in (column, row) "
+                         f"pairs; use an even number")
+    return hidden_dim // world_size
+
+
+def shard_range(hidden_dim, rank, world_size):
+    """The features rank `rank` owns: [rank * h/N, (rank + 1) * h/N)."""
+    local = check_sizes(hidden_dim, world_size)
+    return slice(rank * local, (rank + 1) * local)
+
+
+def column_shard(weight, rank, world_size):
+    """Rows of W (out, in): this rank's output features."""
+    return weight[shard_range(weight.shape[0], rank, world_size), :]
+
+
+def row_shard(weight, rank, world_size):
+    """Columns of W (out, in): this rank's input features."""
+    return weight[:, shard_range(weight.shape[1], rank, world_size)]
+
+
+def is_column(layer):
+    return layer % 2 == 0
+
+
+class TensorParallelLayer(nn.Module):
+    """gelu(linear(x)), with `linear` a column or a row parallel linear: parameter names as in utils.model."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return F.gelu(self.linear(x))
+
+
+class TensorParallelMLP(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_tp_mlp(ColumnParallelLinear, RowParallelLinear, rank, world_size, hidden_dim, num_layers, seed=0,
+                 dtype=torch.float64):
+    """The course's MLP on this rank: layer 2k ColumnParallelLinear(W, rank, world_size), 2k+1 RowParallelLinear."""
+    check_sizes(hidden_dim, world_size, num_layers)
+    layers = []
+    for i in range(num_layers):
+        linear_class = ColumnParallelLinear if is_column(i) else RowParallelLinear
+        layers.append(TensorParallelLayer(linear_class(layer_weight(hidden_dim, seed, i, dtype), rank, world_size)))
+    return TensorParallelMLP(layers)
+
+
+def tp_plan(num_layers):
+    """PyTorch's plan for the same pairing: ColwiseParallel on even layers, RowwiseParallel on odd ones."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {f"layers.{i}.linear": ColwiseParallel() if is_column(i) else RowwiseParallel() for i in range(num_layers)}
+
+
+def build_dtensor_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """The course's MLP, parallelized by PyTorch's DTensor tensor parallel on a CPU device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from utils.model import build_mlp
+
+    check_sizes(hidden_dim, world_size, num_layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tp_plan(num_layers))
+
+
+def local_weights(model):
+    """This rank's weight shards, plain tensors (DTensor's too)."""
+    out = []
+    for p in model.parameters():
+        p = p.detach()
+        out.append((p.to_local() if hasattr(p, "to_local") else p).clone())
+    return out
+
+
+def gather_weights(shards_by_rank, num_layers):
+    """Full weights from every rank's shards: column layers stack rows, row layers stack columns."""
+    return [torch.cat([shards[i] for shards in shards_by_rank], dim=0 if is_column(i) else 1)
+            for i in range(num_layers)]
+
+
+def train_tensor_parallel(model, hidden_dim, batch_size, num_steps, seed=0, optimizer="sgd", dtype=torch.float64):
+    """`num_steps` steps on the whole batch (every rank sees all of it); returns this rank's losses."""
+    opt = make_optimizer(model.parameters(), optimizer)
+    losses = []
+    for step in range(num_steps):
+        loss = loss_fn(model(make_batch(batch_size, hidden_dim, seed, step, dtype)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
