@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils.checks import check_average_over_ranks, seeded_randn
+from utils.checks import seeded_randn
+from utils.checks.setup import check_average_over_ranks
 
 
 def right(tensor):
@@ -54,7 +55,7 @@ def test_seeded_randn_depends_only_on_seed_rank_and_shape():
 
 # ---------------------------------------------------------------- the ring checks (notebook 01)
 
-from utils.checks import check_exchange, check_ring, ring_bytes_per_rank  # noqa: E402
+from utils.checks.collectives import check_exchange, check_ring, ring_bytes_per_rank  # noqa: E402
 
 
 def exchange(send_tensor, dst, recv_tensor, src):

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils.checks import (
+from utils.checks.data_parallel import (
     check_bucketed_sync,
     check_data_parallel,
     check_matches_pytorch_ddp,

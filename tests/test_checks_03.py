@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from utils import tensor_parallel as tp
-from utils.checks import (
+from utils.checks.tensor_parallel import (
     check_all_gather_forward,
     check_parallel_linear,
     check_parallel_regions,

@@ -37,6 +37,11 @@ class MLP(nn.Module):
         return x
 
 
+def parameter_names(num_layers):
+    """The MLP's parameter names, in layer order."""
+    return [f"layers.{i}.linear.weight" for i in range(num_layers)]
+
+
 def check_int(name, value, minimum=1):
     """The course's rule: a bad size fails at once with a ValueError that names it."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
