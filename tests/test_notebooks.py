@@ -44,6 +44,15 @@ def test_several_regions_and_top_level_regions():
         '  raise NotImplementedError("g: your code goes here")')
 
 
+def test_a_region_is_named_after_the_function_it_sits_in_not_the_last_def_above_it():
+    source = ("class Opt:\n    def step(self):\n        ### BEGIN SOLUTION\n        pass\n        ### END SOLUTION\n"
+              "def schedule():\n    def forward():\n        pass\n    ### BEGIN SOLUTION\n    forward()\n"
+              "    ### END SOLUTION")
+    stubs = [line.strip() for line in notebooks.strip_solutions(source).splitlines() if "raise" in line]
+    assert stubs == ['raise NotImplementedError("Opt.step: your code goes here")',
+                     'raise NotImplementedError("schedule: your code goes here")']
+
+
 @pytest.mark.parametrize("source", [
     "### BEGIN SOLUTION\nx = 1",                                   # never closed
     "x = 1\n### END SOLUTION",                                     # closed, never opened

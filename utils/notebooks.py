@@ -19,14 +19,15 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-DEF = re.compile(r"^\s*def (\w+)\(")
+DEF = re.compile(r"^(\s*)(?:def|class) (\w+)\b")
 # Cells that demonstrate an error: in a script the first one would end the run.
 SKIP_IN_SCRIPT = "raises-exception"
 
 
 def strip_solutions(source, where="cell"):
-    """Replace each solution region of a cell's source by a NotImplementedError."""
-    lines, inside, exercise = [], False, "exercise"
+    """Replace each solution region of a cell's source by a NotImplementedError naming the function (or
+    method, or nested function) the region sits in."""
+    lines, inside, scopes = [], False, []  # scopes: (indentation, name) of the defs and classes above
     for line in source.splitlines():
         marker = line.strip()
         if marker.startswith(BEGIN):
@@ -34,6 +35,7 @@ def strip_solutions(source, where="cell"):
                 raise ValueError(f"{where}: '{BEGIN}' inside another solution region")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
+            exercise = ".".join(name for depth, name in scopes if depth < len(indent)) or "exercise"
             lines.append(f'{indent}raise NotImplementedError("{exercise}: your code goes here")')
         elif marker.startswith(END):
             if not inside:
@@ -42,7 +44,7 @@ def strip_solutions(source, where="cell"):
         elif not inside:
             lines.append(line)
             if m := DEF.match(line):
-                exercise = m[1]
+                scopes = [(depth, name) for depth, name in scopes if depth < len(m[1])] + [(len(m[1]), m[2])]
     if inside:
         raise ValueError(f"{where}: '{BEGIN}' is never closed by '{END}'")
     return "\n".join(lines)
