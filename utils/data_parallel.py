@@ -97,16 +97,6 @@ def train_pytorch_ddp(rank, world_size, *, hidden_dim, num_layers, batch_size, n
     return {"weights": weights(model.module)}
 
 
-def reference_gradients(hidden_dim, num_layers, batch_size, seed=0, rank=None, world_size=1):
-    """Step 0's gradients at rank 0's starting weights: of the whole batch, or of one rank's slice."""
-    model = build_mlp(hidden_dim, num_layers, seed)
-    batch = make_batch(batch_size, hidden_dim, seed, 0)
-    if rank is not None:
-        batch = local_batch(batch, rank, world_size)
-    loss_fn(model(batch)).backward()
-    return [p.grad for p in model.parameters()]
-
-
 def expected_buckets(param_bytes, bucket_size_mb):
     """Greedy buckets over the parameters in reverse order: [[parameter indices], ...], each at most
     bucket_size_mb * 2**20 bytes unless one parameter alone is larger."""

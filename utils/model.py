@@ -125,6 +125,16 @@ def make_optimizer(params, name, lr=None):
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r}")
 
 
+def reference_gradients(hidden_dim, num_layers, batch_size, seed=0, rank=None, world_size=1):
+    """Step 0's gradients at rank 0's starting weights: of the whole batch, or of one rank's slice."""
+    model = build_mlp(hidden_dim, num_layers, seed)
+    batch = make_batch(batch_size, hidden_dim, seed, 0)
+    if rank is not None:
+        batch = local_batch(batch, rank, world_size)
+    loss_fn(model(batch)).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def train_reference(hidden_dim, num_layers, batch_size, num_steps, optimizer="sgd", lr=None, seed=0,
                     dtype=torch.float64):
     """The single-process run every parallel version must reproduce: (final weights by layer, losses by step)."""

@@ -4,7 +4,7 @@ import torch.distributed as dist
 from utils import data_parallel as dp
 from utils.checks import TOLERANCE, max_abs_diff
 from utils.launch import spawn
-from utils.model import build_mlp, loss_fn, parameter_names, train_reference
+from utils.model import build_mlp, loss_fn, parameter_names, reference_gradients, train_reference
 
 DP_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 
@@ -59,9 +59,9 @@ def _verify_run(name, runs, world_size, sizes, optimizer="sgd", reference=None):
                     hint = "ranks disagree: did you broadcast rank 0's parameters to every rank?"
                 raise AssertionError(f"{name}: after broadcast_parameters, rank {rank}'s {names[i]} differs from "
                                      f"rank 0's starting {names[i]}; {hint}")
-    full = dp.reference_gradients(sizes["hidden_dim"], sizes["num_layers"], sizes["batch_size"], sizes["seed"])
+    full = reference_gradients(sizes["hidden_dim"], sizes["num_layers"], sizes["batch_size"], sizes["seed"])
     for rank in range(world_size):  # 2. the optimizer sees the whole batch's gradient
-        local = dp.reference_gradients(sizes["hidden_dim"], sizes["num_layers"], sizes["batch_size"],
+        local = reference_gradients(sizes["hidden_dim"], sizes["num_layers"], sizes["batch_size"],
                                        sizes["seed"], rank, world_size)
         grads = runs[rank]["grads"]
         if grads is None:

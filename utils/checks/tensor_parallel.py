@@ -1,6 +1,7 @@
 """Checks for notebook 03 (tensor parallel): parallel regions, column/row layers, the Megatron MLP."""
 import torch
 
+from utils import tensor_parallel as tp
 from utils.checks import TOLERANCE, max_abs_diff, seeded_randn
 from utils.counting import record_communication
 from utils.launch import spawn
@@ -15,8 +16,6 @@ def _count(log, *names):
 
 
 def _gather_forward_main(rank, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed):
-    from utils import tensor_parallel as tp
-
     shards = [tp.column_shard(layer_weight(hidden_dim, seed, i), rank, world_size) for i in range(num_layers)]
     x = make_batch(batch_size, hidden_dim, seed)
     with record_communication() as log:
@@ -26,8 +25,6 @@ def _gather_forward_main(rank, world_size, all_gather_forward, hidden_dim, num_l
 
 def check_all_gather_forward(all_gather_forward, world_size, hidden_dim, num_layers, batch_size, seed=0):
     """Every layer column-sharded, the activations all-gathered after each: every rank ends with the whole output."""
-    from utils import tensor_parallel as tp
-
     tp.check_sizes(hidden_dim, world_size)
     results = spawn(_gather_forward_main, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed,
                     timeout=TP_TIMEOUT)
@@ -134,8 +131,6 @@ def _linear_main(rank, world_size, ColumnParallelLinear, RowParallelLinear, hidd
 
 def check_parallel_linear(ColumnParallelLinear, RowParallelLinear, world_size, hidden_dim, batch_size, seed=0):
     """Each layer alone: its weight shard, output, input gradient and weight gradient equal the reference's slices."""
-    from utils import tensor_parallel as tp
-
     local_dim = tp.check_sizes(hidden_dim, world_size)
     results = spawn(_linear_main, world_size, ColumnParallelLinear, RowParallelLinear, hidden_dim, batch_size, seed,
                     timeout=TP_TIMEOUT)
@@ -201,8 +196,6 @@ def check_parallel_linear(ColumnParallelLinear, RowParallelLinear, world_size, h
 
 def _tp_mlp_main(rank, world_size, ColumnParallelLinear, RowParallelLinear, hidden_dim, num_layers, batch_size,
                  num_steps, seed):
-    from utils import tensor_parallel as tp
-
     builders = {"ours": lambda: tp.build_tp_mlp(ColumnParallelLinear, RowParallelLinear, rank, world_size,
                                                 hidden_dim, num_layers, seed),
                 "dtensor": lambda: tp.build_dtensor_mlp(world_size, hidden_dim, num_layers, seed)}
@@ -230,8 +223,6 @@ def _tp_mlp_main(rank, world_size, ColumnParallelLinear, RowParallelLinear, hidd
 def check_tensor_parallel_mlp(ColumnParallelLinear, RowParallelLinear, world_size, hidden_dim, num_layers, batch_size,
                               num_steps, seed=0):
     """The whole MLP: outputs, input and weight gradients, K steps of SGD and AdamW; against DTensor's too."""
-    from utils import tensor_parallel as tp
-
     tp.check_sizes(hidden_dim, world_size, num_layers)
     results = spawn(_tp_mlp_main, world_size, ColumnParallelLinear, RowParallelLinear, hidden_dim, num_layers,
                     batch_size, num_steps, seed, timeout=TP_TIMEOUT)
