@@ -71,3 +71,27 @@ def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crosso
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_pipeline_timelines(timelines, title):
+    """timelines: {schedule name: events by stage}, events (kind "F"/"B", micro-batch, start, end) in seconds.
+    One Gantt chart per schedule: stages as rows, forwards blue and backwards orange, labelled by micro-batch."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
+                             squeeze=False)
+    colors = {"F": "tab:blue", "B": "tab:orange"}
+    for ax, (name, events_by_stage) in zip(axes[:, 0], timelines.items()):
+        t0 = min(e[2] for events in events_by_stage for e in events)
+        for stage, events in enumerate(events_by_stage):
+            for kind, micro_batch, start, end in events:
+                ax.barh(stage, (end - start) * 1e3, left=(start - t0) * 1e3, color=colors[kind], edgecolor="white")
+                ax.text((start + end - 2 * t0) / 2 * 1e3, stage, str(micro_batch), ha="center", va="center",
+                        fontsize=7, color="white")
+        ax.set_yticks(range(len(events_by_stage)), [f"stage {s}" for s in range(len(events_by_stage))])
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("time (ms)")
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+               labels=["forward", "backward"], fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+

@@ -1,0 +1,192 @@
+"""Checks for notebook 04 (pipeline parallel): the naive schedule, GPipe and 1F1B.
+
+Each check trains the course's MLP with the student's schedule on WORLD_SIZE stages and on another
+stage count (one of them split unevenly), for several micro-batch counts, with SGD and AdamW, and
+compares with the single-process run (float64, to TOLERANCE) and with PyTorch's own pipelining
+(PipelineStage with ScheduleGPipe / Schedule1F1B) on the same stages. It also counts what each stage
+sends and receives, and how many micro-batches' activations each stage held at once.
+"""
+from utils import pipeline as pp
+from utils.checks import TOLERANCE, max_abs_diff
+from utils.counting import RECEIVES, SENDS
+from utils.launch import runnable_world_sizes, spawn
+from utils.model import parameter_names, reference_gradients, train_reference
+
+PP_TIMEOUT = 20  # seconds: a stage that waits for a send that never comes ends the check, not the notebook
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = {  # kind: (what the student wrote, PyTorch's schedule to compare with)
+    "naive": ("naive_step", "gpipe"),
+    "gpipe": ("gpipe_step", "gpipe"),
+    "1f1b": ("one_f_one_b_step", "1f1b"),
+}
+
+
+def stage_counts(world_size, num_layers):
+    """WORLD_SIZE and one other stage count; if WORLD_SIZE splits the layers evenly, the other one does not."""
+    candidates = [n for n in (2, 4, 3, 5) if n != world_size and n <= num_layers]
+    if num_layers % world_size == 0:  # prefer an uneven split: the rule "the first stages take one more"
+        candidates.sort(key=lambda n: num_layers % n == 0)
+    pp.stage_layers(num_layers, world_size)  # raises if world_size > num_layers
+    return runnable_world_sizes([world_size] + candidates[:1])
+
+
+def micro_batch_counts(kind, batch_size, num_micro_batches):
+    """1, 2, the notebook's count and the whole batch (one row each): those that divide the batch."""
+    if kind == "naive":
+        return [1]
+    return [m for m in sorted({1, 2, num_micro_batches, batch_size}) if batch_size % m == 0]
+
+
+def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
+    runs = {}
+    for m in counts:
+        # PyTorch's Schedule1F1B needs at least as many micro-batches as stages; with fewer, 1F1B is GPipe
+        pytorch_name = SCHEDULES[kind][1] if m >= world_size else "gpipe"
+        for optimizer in OPTIMIZERS:
+            ours = pp.train_pipeline(rank, world_size, schedule, num_micro_batches=m, optimizer=optimizer, **sizes)
+            theirs = pp.train_pytorch_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
+                                               optimizer=optimizer, **sizes)
+            runs[m, optimizer] = dict(ours=ours, pytorch=theirs, pytorch_name=pytorch_name)
+    return runs
+
+
+def _check_traffic(where, log, stage, num_stages, m, micro_bytes):
+    """Forward: m activations to the next stage; backward: m gradients to the previous one."""
+    expected = m * ((stage < num_stages - 1) + (stage > 0))
+    sends = [b for name, b in log if name in SENDS]
+    receives = sum(1 for name, _ in log if name in RECEIVES)
+    others = sorted({name for name, _ in log if name not in SENDS + RECEIVES})
+    if others:
+        raise AssertionError(f"{where}: called {others}; a pipeline only needs send and recv (or isend and irecv)")
+    what = (f"{m} activation(s) to the next stage" if stage < num_stages - 1 else "") + \
+        (" and " if 0 < stage < num_stages - 1 else "") + \
+        (f"{m} gradient(s) to the previous stage" if stage > 0 else "")
+    if len(sends) != expected or sum(sends) != expected * micro_bytes:
+        raise AssertionError(f"{where}: sent {len(sends)} message(s), {sum(sends)} bytes, in one step; expected "
+                             f"{what}: {expected} of {micro_bytes} bytes (a micro-batch's activation) = "
+                             f"{expected * micro_bytes} bytes")
+    if receives != expected:
+        what = (f"{m} activation(s) from the previous stage" if stage > 0 else "") + \
+            (" and " if 0 < stage < num_stages - 1 else "") + \
+            (f"{m} gradient(s) from the next stage" if stage < num_stages - 1 else "")
+        raise AssertionError(f"{where}: {receives} receive(s) in one step; expected {expected}: {what}")
+
+
+def _check_gradients(where, got, want, names, m):
+    for name, g, w in zip(names, got, want):
+        if g is None:
+            raise AssertionError(f"{where}: {name} got no gradient: did this stage run its backward?")
+        diff = max_abs_diff(g, w)
+        if diff <= TOLERANCE:
+            continue
+        if m > 1 and max_abs_diff(g, m * w) <= TOLERANCE * m:
+            raise AssertionError(f"{where}: the gradient of {name} is {m} times the full batch's: each micro-batch's "
+                                 f"loss is a mean over its own rows, so summing {m} of them counts the batch {m} "
+                                 f"times; divide each micro-batch's loss by num_micro_batches")
+        raise AssertionError(f"{where}: after step 0's backward, the gradient of {name} differs from the "
+                             f"single-process MLP's by {diff:.3g}")
+
+
+def _expected_peak(kind, stage, num_stages, m):
+    return {"naive": 1, "gpipe": m, "1f1b": min(num_stages - stage, m)}[kind]
+
+
+def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches=1,
+                   seed=0, timeout=PP_TIMEOUT):
+    """Train with `schedule` on every stage count and micro-batch count; compare everything (see the module doc)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"kind must be one of {list(SCHEDULES)}, got {kind!r}")
+    pp.check_sizes(num_layers, world_size, batch_size, num_micro_batches)
+    counts = micro_batch_counts(kind, batch_size, num_micro_batches)
+    worlds = stage_counts(world_size, num_layers)
+    sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps, seed=seed)
+    names = parameter_names(num_layers)
+    want_grads = reference_gradients(hidden_dim, num_layers, batch_size, seed)
+    references = {o: train_reference(hidden_dim, num_layers, batch_size, num_steps, o, seed=seed) for o in OPTIMIZERS}
+    label = SCHEDULES[kind][0]
+    pytorch_names, first_results = set(), None
+    for n in worlds:
+        results = spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
+        first_results = first_results or results
+        split = pp.stage_layers(num_layers, n)
+        for m in counts:
+            micro_bytes = batch_size // m * hidden_dim * 8
+            for optimizer in OPTIMIZERS:
+                want_weights, want_losses = references[optimizer]
+                for stage in range(n):
+                    run = results[stage][m, optimizer]
+                    ours, theirs = run["ours"], run["pytorch"]
+                    layers = split[stage]
+                    stage_names = [names[i] for i in layers]
+                    where = f"{label} on stage {stage} of {n} (layers {list(layers)}), {m} micro-batch" + \
+                        ("es" if m > 1 else "")
+                    want_size = num_layers // n + (stage < num_layers % n)  # the first L % p stages take one more
+                    if len(layers) != want_size or len(ours["weights"]) != want_size:
+                        raise AssertionError(f"{where}: the stage holds {len(ours['weights'])} layer(s); expected "
+                                             f"{want_size}: {num_layers} // {n} each, and one more on the first "
+                                             f"{num_layers % n} stage(s)")
+                    for step, log in enumerate(ours["logs"]):
+                        _check_traffic(f"{where}, step {step}", log, stage, n, m, micro_bytes)
+                    _check_gradients(where, ours["grads"], [want_grads[i] for i in layers], stage_names, m)
+                    if stage == n - 1:
+                        got = ours["losses"]
+                        bad = [s for s in range(num_steps)
+                               if got[s] is None or abs(got[s] - want_losses[s]) > TOLERANCE]
+                        if bad:
+                            s = bad[0]
+                            raise AssertionError(f"{where}: the loss returned at step {s} is {got[s]}; the full "
+                                                 f"batch's loss is {want_losses[s]:.6g} (the sum of the micro-batches' "
+                                                 f"losses, each divided by num_micro_batches)")
+                    elif ours["losses"] != [None] * num_steps:
+                        raise AssertionError(f"{where}: returned a loss; only the last stage has one (return None)")
+                    for i, got, theirs_w in zip(layers, ours["weights"], theirs["weights"]):
+                        diff = max_abs_diff(got, want_weights[i])
+                        if diff > TOLERANCE:
+                            raise AssertionError(f"{where} ({optimizer}): after {num_steps} steps, {names[i]} differs "
+                                                 f"from the single-process run's by {diff:.3g} (step 0's gradients "
+                                                 f"were right: look at what changes from step to step)")
+                        diff = max_abs_diff(theirs_w, got)
+                        if diff > TOLERANCE:
+                            raise AssertionError(f"{where} ({optimizer}): after {num_steps} steps, {names[i]} differs "
+                                                 f"from PyTorch's {run['pytorch_name']} run's by {diff:.3g}")
+                    pytorch_names.add(run["pytorch_name"])
+                    peak, want_peak = ours["peak_alive"], _expected_peak(kind, stage, n, m)
+                    if peak != want_peak:
+                        why = {"naive": "one batch, one forward, one backward",
+                               "gpipe": "all the forwards, then all the backwards",
+                               "1f1b": f"{n - stage - 1} warm-up forward(s) on stage {stage} of {n}, then one "
+                                       f"forward and one backward in turn: a backward frees the oldest micro-batch"
+                               }[kind]
+                        raise AssertionError(f"{where}: held the activations of {peak} micro-batch(es) at once; "
+                                             f"expected {want_peak} ({why})")
+    pytorch = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe",
+               "1f1b": "Schedule1F1B" + (" (ScheduleGPipe for m < stages)" if "gpipe" in pytorch_names else "")}[kind]
+    splits = "; ".join(f"{n} stages: " + ", ".join(str(len(r)) for r in pp.stage_layers(num_layers, n)) + " layers"
+                       for n in worlds)
+    print(f"{label}: correct on {' and '.join(map(str, worlds))} stages ({splits}), micro-batches {counts}")
+    print(f"  step 0's gradients, the losses, and the weights after {num_steps} steps of SGD and AdamW equal the "
+          f"single-process run's and PyTorch's {pytorch} to {TOLERANCE:g}")
+    print("  each stage sends m activations forward and m gradients backward per step, one micro-batch each")
+    if kind != "naive":
+        n = worlds[0]
+        peaks = {m: [run[m, "sgd"]["ours"]["peak_alive"] for run in first_results] for m in counts}
+        print(f"  micro-batches alive at once on each of {n} stages (counted): "
+              + ", ".join(f"m={m}: {peaks[m]}" for m in counts))
+
+
+def check_naive_step(naive_step, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0,
+                     timeout=PP_TIMEOUT):
+    check_schedule("naive", lambda stage, batch, m: naive_step(stage, batch), world_size, hidden_dim, num_layers,
+                   batch_size, num_steps, 1, seed, timeout)
+
+
+def check_gpipe_step(gpipe_step, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches, seed=0,
+                     timeout=PP_TIMEOUT):
+    check_schedule("gpipe", gpipe_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                   num_micro_batches, seed, timeout)
+
+
+def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                           num_micro_batches, seed=0, timeout=PP_TIMEOUT):
+    check_schedule("1f1b", one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                   num_micro_batches, seed, timeout)
