@@ -95,3 +95,20 @@ def plot_pipeline_timelines(timelines, title):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
 
+
+def plot_memory(rows, title):
+    """rows: {version: (measured peak bytes by group, formula bytes)}. Stacked bars, the formula as a black tick."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(rows)
+    bottoms = [0.0] * len(names)
+    for group, color in (("parameters", "tab:blue"), ("gradients", "tab:orange"), ("optimizer state", "tab:green"),
+                         ("gathered", "tab:red")):
+        heights = [rows[name][0][group] / 1024 for name in names]
+        ax.bar(names, heights, bottom=bottoms, color=color, label=group)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.scatter(names, [rows[name][1] / 1024 for name in names], marker="_", s=2000, color="black", zorder=3,
+               label="formula (16, 8+8/N, 4+12/N, 16/N bytes per parameter)")
+    ax.set_ylabel("model state at the peak of a step (KB, one rank)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
