@@ -6,6 +6,8 @@ compares with the single-process run (float64, to TOLERANCE) and with PyTorch's 
 (PipelineStage with ScheduleGPipe / Schedule1F1B) on the same stages. It also counts what each stage
 sends and receives, and how many micro-batches' activations each stage held at once.
 """
+import itertools
+
 from utils import pipeline as pp
 from utils.checks import TOLERANCE, max_abs_diff
 from utils.counting import RECEIVES, SENDS
@@ -87,8 +89,46 @@ def _check_gradients(where, got, want, names, m):
                              f"single-process MLP's by {diff:.3g}")
 
 
-def _expected_peak(kind, stage, num_stages, m):
-    return {"naive": 1, "gpipe": m, "1f1b": min(num_stages - stage, m)}[kind]
+def _check_split(where, num_weights, num_layers, stage, num_stages):
+    want = num_layers // num_stages + (stage < num_layers % num_stages)  # the first L % p stages take one more
+    if num_weights != want:
+        raise AssertionError(f"{where}: the stage holds {num_weights} layer(s); expected {want}: {num_layers} // "
+                             f"{num_stages} each, and one more on the first {num_layers % num_stages} stage(s)")
+
+
+def _check_losses(where, got, want, is_last):
+    if not is_last:
+        if got != [None] * len(got):
+            raise AssertionError(f"{where}: returned a loss; only the last stage has one (return None)")
+        return
+    for step, (g, w) in enumerate(zip(got, want)):
+        if g is None or abs(g - w) > TOLERANCE:
+            raise AssertionError(f"{where}: the loss returned at step {step} is {g}; the full batch's loss is {w:.6g} "
+                                 f"(the sum of the micro-batches' losses, each divided by num_micro_batches)")
+
+
+def _check_weights(where, names, ours, reference, pytorch, pytorch_name):
+    for name, got, want, theirs in zip(names, ours, reference, pytorch):
+        diff = max_abs_diff(got, want)
+        if diff > TOLERANCE:
+            raise AssertionError(f"{where}: at the end, {name} differs from the single-process run's by {diff:.3g} "
+                                 f"(step 0's gradients were right: look at what changes from step to step)")
+        diff = max_abs_diff(theirs, got)
+        if diff > TOLERANCE:
+            raise AssertionError(f"{where}: at the end, {name} differs from PyTorch's {pytorch_name} run's by "
+                                 f"{diff:.3g}")
+
+
+def _check_alive(where, kind, peak, stage, num_stages, m):
+    """GPipe holds every micro-batch until the backwards; 1F1B at most p - s on stage s."""
+    want = {"naive": 1, "gpipe": m, "1f1b": min(num_stages - stage, m)}[kind]
+    if peak != want:
+        why = {"naive": "one batch, one forward, one backward",
+               "gpipe": "all the forwards, then all the backwards",
+               "1f1b": f"{num_stages - stage - 1} warm-up forward(s) on stage {stage} of {num_stages}, then one "
+                       f"forward and one backward in turn: a backward frees the oldest micro-batch"}[kind]
+        raise AssertionError(f"{where}: held the activations of {peak} micro-batch(es) at once; expected {want} "
+                             f"({why})")
 
 
 def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches=1,
@@ -108,57 +148,20 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
     for n in worlds:
         results = spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
         first_results = first_results or results
-        split = pp.stage_layers(num_layers, n)
-        for m in counts:
-            micro_bytes = batch_size // m * hidden_dim * 8
-            for optimizer in OPTIMIZERS:
-                want_weights, want_losses = references[optimizer]
-                for stage in range(n):
-                    run = results[stage][m, optimizer]
-                    ours, theirs = run["ours"], run["pytorch"]
-                    layers = split[stage]
-                    stage_names = [names[i] for i in layers]
-                    where = f"{label} on stage {stage} of {n} (layers {list(layers)}), {m} micro-batch" + \
-                        ("es" if m > 1 else "")
-                    want_size = num_layers // n + (stage < num_layers % n)  # the first L % p stages take one more
-                    if len(layers) != want_size or len(ours["weights"]) != want_size:
-                        raise AssertionError(f"{where}: the stage holds {len(ours['weights'])} layer(s); expected "
-                                             f"{want_size}: {num_layers} // {n} each, and one more on the first "
-                                             f"{num_layers % n} stage(s)")
-                    for step, log in enumerate(ours["logs"]):
-                        _check_traffic(f"{where}, step {step}", log, stage, n, m, micro_bytes)
-                    _check_gradients(where, ours["grads"], [want_grads[i] for i in layers], stage_names, m)
-                    if stage == n - 1:
-                        got = ours["losses"]
-                        bad = [s for s in range(num_steps)
-                               if got[s] is None or abs(got[s] - want_losses[s]) > TOLERANCE]
-                        if bad:
-                            s = bad[0]
-                            raise AssertionError(f"{where}: the loss returned at step {s} is {got[s]}; the full "
-                                                 f"batch's loss is {want_losses[s]:.6g} (the sum of the micro-batches' "
-                                                 f"losses, each divided by num_micro_batches)")
-                    elif ours["losses"] != [None] * num_steps:
-                        raise AssertionError(f"{where}: returned a loss; only the last stage has one (return None)")
-                    for i, got, theirs_w in zip(layers, ours["weights"], theirs["weights"]):
-                        diff = max_abs_diff(got, want_weights[i])
-                        if diff > TOLERANCE:
-                            raise AssertionError(f"{where} ({optimizer}): after {num_steps} steps, {names[i]} differs "
-                                                 f"from the single-process run's by {diff:.3g} (step 0's gradients "
-                                                 f"were right: look at what changes from step to step)")
-                        diff = max_abs_diff(theirs_w, got)
-                        if diff > TOLERANCE:
-                            raise AssertionError(f"{where} ({optimizer}): after {num_steps} steps, {names[i]} differs "
-                                                 f"from PyTorch's {run['pytorch_name']} run's by {diff:.3g}")
-                    pytorch_names.add(run["pytorch_name"])
-                    peak, want_peak = ours["peak_alive"], _expected_peak(kind, stage, n, m)
-                    if peak != want_peak:
-                        why = {"naive": "one batch, one forward, one backward",
-                               "gpipe": "all the forwards, then all the backwards",
-                               "1f1b": f"{n - stage - 1} warm-up forward(s) on stage {stage} of {n}, then one "
-                                       f"forward and one backward in turn: a backward frees the oldest micro-batch"
-                               }[kind]
-                        raise AssertionError(f"{where}: held the activations of {peak} micro-batch(es) at once; "
-                                             f"expected {want_peak} ({why})")
+        for m, optimizer, (stage, layers) in itertools.product(counts, OPTIMIZERS,
+                                                                enumerate(pp.stage_layers(num_layers, n))):
+            run = results[stage][m, optimizer]
+            ours, weights, losses = run["ours"], references[optimizer][0], references[optimizer][1]
+            where = f"{label} on stage {stage} of {n} (layers {list(layers)}), {m} micro-batch{'es' * (m > 1)}"
+            _check_split(where, len(ours["weights"]), num_layers, stage, n)
+            for step, log in enumerate(ours["logs"]):
+                _check_traffic(f"{where}, step {step}", log, stage, n, m, micro_bytes=batch_size // m * hidden_dim * 8)
+            _check_gradients(where, ours["grads"], [want_grads[i] for i in layers], [names[i] for i in layers], m)
+            _check_losses(where, ours["losses"], losses, stage == n - 1)
+            _check_weights(f"{where} ({optimizer}, {num_steps} steps)", [names[i] for i in layers], ours["weights"],
+                           [weights[i] for i in layers], run["pytorch"]["weights"], run["pytorch_name"])
+            _check_alive(where, kind, ours["peak_alive"], stage, n, m)
+            pytorch_names.add(run["pytorch_name"])
     pytorch = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe",
                "1f1b": "Schedule1F1B" + (" (ScheduleGPipe for m < stages)" if "gpipe" in pytorch_names else "")}[kind]
     splits = "; ".join(f"{n} stages: " + ", ".join(str(len(r)) for r in pp.stage_layers(num_layers, n)) + " layers"
