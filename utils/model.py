@@ -140,7 +140,13 @@ def train_reference(hidden_dim, num_layers, batch_size, num_steps, optimizer="sg
     """The single-process run every parallel version must reproduce: (final weights by layer, losses by step)."""
     batch_size, num_steps = check_int("batch_size", batch_size), check_int("num_steps", num_steps, 0)
     model = build_mlp(hidden_dim, num_layers, seed, dtype)
-    opt = make_optimizer(model.parameters(), optimizer, lr)
+    losses = train_steps(model, make_optimizer(model.parameters(), optimizer, lr), hidden_dim, batch_size, num_steps,
+                         seed, dtype)
+    return [layer.linear.weight.detach().clone() for layer in model.layers], losses
+
+
+def train_steps(model, opt, hidden_dim, batch_size, num_steps, seed=0, dtype=torch.float64):
+    """`num_steps` steps, each on the whole of that step's batch; returns the losses by step."""
     losses = []
     for step in range(num_steps):
         loss = loss_fn(model(make_batch(batch_size, hidden_dim, seed, step, dtype)))
@@ -148,4 +154,4 @@ def train_reference(hidden_dim, num_layers, batch_size, num_steps, optimizer="sg
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return [layer.linear.weight.detach().clone() for layer in model.layers], losses
+    return losses

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils.model import check_int, layer_weight, loss_fn, make_batch, make_optimizer
+from utils.model import check_int, layer_weight, make_optimizer, train_steps
 
 
 def check_sizes(hidden_dim, world_size, num_layers=2):
@@ -115,12 +115,5 @@ def gather_weights(shards_by_rank, num_layers):
 
 def train_tensor_parallel(model, hidden_dim, batch_size, num_steps, seed=0, optimizer="sgd", dtype=torch.float64):
     """`num_steps` steps on the whole batch (every rank sees all of it); returns this rank's losses."""
-    opt = make_optimizer(model.parameters(), optimizer)
-    losses = []
-    for step in range(num_steps):
-        loss = loss_fn(model(make_batch(batch_size, hidden_dim, seed, step, dtype)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, make_optimizer(model.parameters(), optimizer), hidden_dim, batch_size, num_steps, seed,
+                       dtype)
