@@ -148,9 +148,9 @@ def test_stage_split_rule():
 def test_bad_sizes_name_the_values():
     with pytest.raises(ValueError, match="world size 4 is more stages than num layers 3"):
         pp.check_sizes(3, 4, 8, 1)
-    with pytest.raises(ValueError, match="batch size 8 is not divisible by 3 micro-batches"):
+    with pytest.raises(ValueError, match="batch size 8 is not divisible by num micro batches 3"):
         pp.check_sizes(6, 2, 8, 3)
-    with pytest.raises(ValueError, match="num_micro_batches must be an int, got 2.0"):
+    with pytest.raises(TypeError, match="num_micro_batches must be an int, got 2.0"):
         pp.check_sizes(6, 2, 8, 2.0)
     with pytest.raises(ValueError, match="world size 6 is more stages than num layers 5"):
         check("gpipe", 6)

@@ -11,22 +11,17 @@ With `gradient_sync`, each step is: forward, backward (the sync's hooks start th
 import torch
 
 from utils.counting import calls, record_communication
-from utils.model import build_mlp, check_int, local_batch, loss_fn, make_batch, make_optimizer
+from utils.sizes import divide
+from utils.model import EACH_RANK_SAME_ROWS, build_mlp, local_batch, loss_fn, make_batch, make_optimizer
 
 START_SEED_STRIDE = 1000  # rank r starts from build_mlp(seed + 1000 r): every rank differs, rank 0 is the reference
 
 
 def check_sizes(batch_size, world_size, num_micro_batches=1):
     """The batch must split evenly over the ranks, and each rank's slice over its micro-batches."""
-    batch_size, world_size = check_int("batch_size", batch_size), check_int("world_size", world_size)
-    num_micro_batches = check_int("num_micro_batches", num_micro_batches)
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by world size {world_size}: "
-                         f"each rank must get the same number of rows")
-    local_batch_size = batch_size // world_size
-    if local_batch_size % num_micro_batches:
-        raise ValueError(f"local batch size {local_batch_size} (batch size {batch_size} / world size {world_size}) "
-                         f"is not divisible by {num_micro_batches} micro-batches: each must have the same size")
+    local_batch_size = divide("batch_size", batch_size, "world_size", world_size, EACH_RANK_SAME_ROWS)
+    divide("local_batch_size", local_batch_size, "num_micro_batches", num_micro_batches,
+           "each micro-batch must have the same number of rows")
     return local_batch_size
 
 
@@ -111,11 +106,3 @@ def expected_buckets(param_bytes, bucket_size_mb):
             size = param_bytes[i]
     return buckets
 
-
-def bytes_written():
-    """Bytes this process has written so far, sockets included (so: what gloo sent). Linux only: None elsewhere."""
-    try:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
-    except (OSError, StopIteration):
-        return None

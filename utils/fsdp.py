@@ -22,18 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils.model import build_mlp, check_int, layer_weight, local_batch, loss_fn, make_batch, make_optimizer
+
+from utils.model import (EACH_RANK_SAME_ROWS, build_mlp, layer_weight, local_batch, loss_fn, make_batch,
+                         make_optimizer)
+from utils.sizes import check_int, divide
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "gathered")
 
 
 def check_sizes(batch_size, world_size):
     """Data parallel: the batch splits evenly over the ranks (a weight need not: it is padded)."""
-    batch_size, world_size = check_int("batch_size", batch_size), check_int("world_size", world_size)
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by world size {world_size}: "
-                         f"each rank must get the same number of rows")
-    return batch_size // world_size
+    return divide("batch_size", batch_size, "world_size", world_size, EACH_RANK_SAME_ROWS)
 
 
 # ---------------------------------------------------------------- shards

@@ -6,11 +6,12 @@ with `train_reference`. So everything random here comes from its own generator, 
 bit for bit, whatever the global RNG state and in whatever order it builds them.
 """
 import hashlib
-import operator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from utils.sizes import check_int, divide
 
 WEIGHTS, BATCHES = 0, 1  # separate random streams: a batch never repeats a weight matrix
 
@@ -40,15 +41,6 @@ class MLP(nn.Module):
 def parameter_names(num_layers):
     """The MLP's parameter names, in layer order."""
     return [f"layers.{i}.linear.weight" for i in range(num_layers)]
-
-
-def check_int(name, value, minimum=1):
-    """The course's rule: a bad size fails at once with a ValueError that names it."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if operator.index(value) < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return operator.index(value)
 
 
 def generator(seed, stream, index):
@@ -101,17 +93,16 @@ def make_batch(batch_size, hidden_dim, seed, step=0, dtype=torch.float64):
     return x.to(dtype)
 
 
+EACH_RANK_SAME_ROWS = "each rank must get the same number of rows"
+
+
 def local_batch(batch, rank, world_size):
     """This rank's contiguous slice of the batch: rows [rank * n, (rank + 1) * n), n = batch_size / world_size."""
     world_size = check_int("world_size", world_size)
     rank = check_int("rank", rank, 0)
     if rank >= world_size:
         raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
-    batch_size = len(batch)
-    if batch_size % world_size:
-        raise ValueError(f"batch size {batch_size} is not divisible by world size {world_size}: "
-                         f"each rank must get the same number of rows")
-    local_batch_size = batch_size // world_size
+    local_batch_size = divide("batch_size", len(batch), "world_size", world_size, EACH_RANK_SAME_ROWS)
     return batch[rank * local_batch_size:(rank + 1) * local_batch_size]
 
 
@@ -155,3 +146,51 @@ def train_steps(model, opt, hidden_dim, batch_size, num_steps, seed=0, dtype=tor
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+class AwkwardModel(nn.Module):
+    """What the course's MLP lacks, in one small model, for the checks of notebooks 02 and 05:
+
+    - `embedding`: rows picked by the input's signs; its backward needs no weight (like a real embedding);
+    - `linear`: a weight and a **bias**;
+    - `frozen`: a parameter that does not require a gradient;
+    - `sometimes`: used only by every other forward call, so it has no gradient in those steps;
+    - `gate`: a float32 parameter in a float64 model (**mixed dtypes**);
+    - `shift`: a **buffer**, not a parameter.
+
+    Every rank makes the same forward calls, so `sometimes` is used (or not) on all of them alike.
+    """
+
+    def __init__(self, hidden_dim):
+        super().__init__()
+        self.embedding = nn.Embedding(4, hidden_dim)
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+        self.frozen = nn.Linear(hidden_dim, hidden_dim, bias=False).requires_grad_(False)
+        self.sometimes = nn.Linear(hidden_dim, hidden_dim, bias=False)
+        self.gate = nn.Parameter(torch.ones(hidden_dim))
+        self.register_buffer("shift", torch.zeros(hidden_dim))
+        self.calls = 0
+
+    def forward(self, x):
+        rows = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        h = x + self.embedding(rows)
+        h = F.gelu(self.linear(h)) + self.frozen(h)
+        if self.calls % 2 == 0:
+            h = h + self.sometimes(h)
+        self.calls += 1
+        return h * self.gate.to(h.dtype) + self.shift
+
+
+def build_awkward_model(hidden_dim, seed=0, dtype=torch.float64):
+    """An AwkwardModel whose values (parameters and buffer) depend only on `seed`; `gate` stays float32."""
+    hidden_dim = check_int("hidden_dim", hidden_dim)
+    with torch.device("meta"):
+        model = AwkwardModel(hidden_dim)
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for i, tensor in enumerate([*model.parameters(), *model.buffers()]):
+            fan_in = tensor.shape[-1] if tensor.dim() > 1 else hidden_dim
+            draw = torch.randn(tensor.shape, generator=generator(seed, WEIGHTS, 1000 + i), dtype=torch.float64)
+            tensor.copy_(draw / fan_in**0.5)
+    model.gate.data = model.gate.data.float()
+    return model

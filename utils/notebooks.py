@@ -5,14 +5,19 @@
     python -m utils.notebooks --script solutions/00_setup.ipynb
                                            write build/00_setup.py, to run under torchrun
 
+    solution("02_data_parallel").average_gradients       the solution's own code, for the tests
+
 In a solution, an exercise's answer sits between `### BEGIN SOLUTION` and `### END SOLUTION`
 (nbgrader's markers). The student copy replaces each region by `raise NotImplementedError(...)`
 at the region's indentation and drops every output; everything else is kept as it is.
 """
 import argparse
+import ast
 import copy
+import linecache
 import re
 import sys
+import types
 from pathlib import Path
 
 import nbformat
@@ -101,6 +106,36 @@ def script(nb, source_name):
             raise ValueError(f"{source_name}, cell {i}: IPython magics do not run as a script")
         parts.append(f"# %% cell {i}\n{cell.source}\n")
     return "\n".join(parts)
+
+
+DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+
+
+def solution(name, replace=None, root=ROOT):
+    """A solution notebook's definitions as a module: its imports, functions and classes, and the
+    assignments of its `parameters` cell; nothing that runs ranks or checks.
+
+    The tests take the right answers from here, so that an exercise is written once. A wrong answer
+    is a small edit of the right one: `replace={old: new}` edits the source first, and each `old` must
+    occur exactly once in the notebook (a test whose edit no longer applies fails, naming it). Each
+    call builds a new module: functions defined in it travel to the ranks by value."""
+    path = root / "solutions" / f"{name}.ipynb"
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    sources = [c.source for c in cells]
+    for old, new in (replace or {}).items():
+        found = sum(source.count(old) for source in sources)
+        if found != 1:
+            raise ValueError(f"{path.name}: the text to replace occurs {found} times, not once: {old!r}")
+        sources = [source.replace(old, new) for source in sources]
+    module = types.ModuleType(f"solution_{name}")  # not in sys.modules: cloudpickle ships its functions by value
+    for i, (cell, source) in enumerate(zip(cells, sources)):
+        keep = "parameters" in cell.metadata.get("tags", [])
+        tree = ast.parse(source)
+        tree.body = [node for node in tree.body if keep or isinstance(node, DEFINITIONS)]
+        filename = f"<{path.name}, cell {i}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        exec(compile(tree, filename, "exec"), module.__dict__)
+    return module
 
 
 def main(argv=None):

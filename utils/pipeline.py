@@ -18,21 +18,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from utils.counting import record_communication
-from utils.model import Layer, check_int, layer_weight, loss_fn, make_batch, make_optimizer
+from utils.sizes import check_int, divide
+from utils.model import Layer, layer_weight, loss_fn, make_batch, make_optimizer
 
 
 def check_sizes(num_layers, world_size, batch_size, num_micro_batches=1):
     """At least one layer per stage; equal micro-batches. Returns the micro-batch size."""
     num_layers, world_size = check_int("num_layers", num_layers), check_int("world_size", world_size)
-    batch_size, num_micro_batches = check_int("batch_size", batch_size), check_int("num_micro_batches",
-                                                                                   num_micro_batches)
     if world_size > num_layers:
         raise ValueError(f"world size {world_size} is more stages than num layers {num_layers}: "
                          f"every stage needs at least one layer")
-    if batch_size % num_micro_batches:
-        raise ValueError(f"batch size {batch_size} is not divisible by {num_micro_batches} micro-batches: "
-                         f"each micro-batch must have the same number of rows")
-    return batch_size // num_micro_batches
+    return divide("batch_size", batch_size, "num_micro_batches", num_micro_batches,
+                  "each micro-batch must have the same number of rows")
 
 
 def stage_layers(num_layers, world_size):

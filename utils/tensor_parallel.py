@@ -10,20 +10,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils.model import check_int, layer_weight, make_optimizer, train_steps
+from utils.model import layer_weight, make_optimizer, train_steps
+from utils.sizes import check_int, divide
 
 
 def check_sizes(hidden_dim, world_size, num_layers=2):
     """hidden_dim must split evenly over the ranks; layers come in (column, row) pairs."""
-    hidden_dim, world_size = check_int("hidden_dim", hidden_dim), check_int("world_size", world_size)
-    num_layers = check_int("num_layers", num_layers)
-    if hidden_dim % world_size:
-        raise ValueError(f"hidden dim {hidden_dim} is not divisible by world size {world_size}: "
-                         f"each rank must hold the same number of features")
-    if num_layers % 2:
+    local_dim = divide("hidden_dim", hidden_dim, "world_size", world_size, "each rank must hold the same number of features")
+    if check_int("num_layers", num_layers) % 2:
         raise ValueError(f"num layers {num_layers} is odd: tensor parallel layers come in (column, row) "
                          f"pairs; use an even number")
-    return hidden_dim // world_size
+    return local_dim
 
 
 def shard_range(hidden_dim, rank, world_size):

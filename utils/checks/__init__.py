@@ -9,6 +9,7 @@ this one holds what they share.
 import torch
 
 TOLERANCE = 1e-12  # float64 results that only differ in the order of additions
+CHECK_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 
 
 def seeded_randn(shape, seed, rank=0, dtype=torch.float64):

@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from utils.checks import max_abs_diff, seeded_randn
+from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
 from utils.counting import COLLECTIVES, bytes_sent, record_communication
 from utils.launch import runnable_world_sizes, spawn
 
@@ -33,7 +33,7 @@ def _exchange_main(rank, world_size, exchange, seed):
     return received
 
 
-def check_exchange(exchange, world_size, seed=0, timeout=20):
+def check_exchange(exchange, world_size, seed=0, timeout=CHECK_TIMEOUT):
     """Each rank sends to one neighbour and receives from the other, at the same time."""
     world_sizes = runnable_world_sizes(sorted({max(world_size, 2), 3}))  # one rank has no neighbour
     for n in world_sizes:
@@ -92,7 +92,7 @@ def _wrong_chunks(got, want, world_size, tolerance):
     return [i for i, (g, w) in enumerate(pairs) if max_abs_diff(g, w) > tolerance]
 
 
-def check_ring(fn, kind, world_size, seed=0, timeout=20):
+def check_ring(fn, kind, world_size, seed=0, timeout=CHECK_TIMEOUT):
     """Check ring_reduce_scatter / ring_all_gather / ring_all_reduce on world_size ranks and on 3."""
     name = fn.__name__ if getattr(fn, "__name__", "<lambda>") != "<lambda>" else f"ring_{kind}"
     world_sizes = runnable_world_sizes(sorted({world_size, 3}))

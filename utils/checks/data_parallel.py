@@ -2,11 +2,10 @@
 import torch.distributed as dist
 
 from utils import data_parallel as dp
-from utils.checks import TOLERANCE, max_abs_diff
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import spawn
 from utils.model import build_mlp, loss_fn, parameter_names, reference_gradients, train_reference
 
-DP_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 
 
 def _run_main(rank, world_size, jobs):
@@ -99,7 +98,7 @@ def check_data_parallel(broadcast_parameters, average_gradients, world_size, hid
     step = _naive_step(average_gradients)
     jobs = [("ours", dict(broadcast_parameters=broadcast_parameters, train_step=step, optimizer=o, **sizes))
             for o in optimizers]
-    results = spawn(_run_main, world_size, jobs, timeout=DP_TIMEOUT)
+    results = spawn(_run_main, world_size, jobs, timeout=CHECK_TIMEOUT)
     for j, optimizer in enumerate(optimizers):
         _verify_run("data parallel", [results[r][j] for r in range(world_size)], world_size, sizes, optimizer)
     print(f"data parallel: correct on {world_size} ranks with SGD and AdamW; after {num_steps} steps every rank's "
@@ -115,7 +114,7 @@ def check_micro_batches(broadcast_parameters, average_gradients, train_step_with
                           **sizes)),
             ("ours", dict(broadcast_parameters=broadcast_parameters,
                           train_step=_micro_step(train_step_with_micro_batches, num_micro_batches), **sizes))]
-    results = spawn(_run_main, world_size, jobs, timeout=DP_TIMEOUT)
+    results = spawn(_run_main, world_size, jobs, timeout=CHECK_TIMEOUT)
     name = f"train_step_with_micro_batches ({num_micro_batches} micro-batches)"
     _verify_run(name, [results[r][1] for r in range(world_size)], world_size, sizes)
     once = results[0][0]["all_reduces"][0]  # what average_gradients makes, once
@@ -244,7 +243,7 @@ def _verify_trace(name, trace, buckets, param_bytes, num_params):
 def _check_gradient_sync(name, configs, world_size, sizes, bucket_sizes_mb):
     """configs: make_sync(model) functions; bucket_sizes_mb: the bucket size of each (None: one per parameter)."""
     dp.check_sizes(sizes["batch_size"], world_size)
-    results = spawn(_hooked_main, world_size, configs, sizes, timeout=DP_TIMEOUT)
+    results = spawn(_hooked_main, world_size, configs, sizes, timeout=CHECK_TIMEOUT)
     param_bytes = [sizes["hidden_dim"] ** 2 * 8] * sizes["num_layers"]  # float64 weights
     reference = None
     for c, bucket_size_mb in enumerate(bucket_sizes_mb):
@@ -295,7 +294,7 @@ def check_matches_pytorch_ddp(variants, broadcast_parameters, num_micro_batches,
     jobs = [("ddp", dict(num_micro_batches=num_micro_batches, **sizes))]
     jobs += [("ours", dict(broadcast_parameters=broadcast_parameters, **variant, **sizes))
              for variant in variants.values()]
-    results = spawn(_run_main, world_size, jobs, timeout=DP_TIMEOUT)
+    results = spawn(_run_main, world_size, jobs, timeout=CHECK_TIMEOUT)
     names = parameter_names(num_layers)
     reference = train_reference(hidden_dim, num_layers, batch_size, num_steps, seed=seed)[0]
     for rank in range(world_size):

@@ -8,11 +8,11 @@ the collectives of one step, and measures the model state the ranks hold (utils.
 import torch
 
 from utils import fsdp
-from utils.checks import TOLERANCE, max_abs_diff
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import runnable_world_sizes, spawn
-from utils.model import check_int, parameter_names, reference_gradients, train_reference
+from utils.model import parameter_names, reference_gradients, train_reference
+from utils.sizes import check_int
 
-FSDP_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 LABELS = {"zero1": "Zero1AdamW", "zero2": "Zero2AdamW", "fsdp": "the naive FSDP", "ddp": "DDP",
           "zero-pytorch": "PyTorch's ZeroRedundancyOptimizer", "fsdp2": "PyTorch's FSDP2 (fully_shard)"}
 
@@ -107,7 +107,7 @@ def _train_and_verify(kinds, impl, world_size, sizes, expected_calls):
     for n, h, b in _configurations(world_size, sizes["hidden_dim"], sizes["batch_size"]):
         run_sizes = {**sizes, "hidden_dim": h, "batch_size": b}
         jobs = [(kind, cap, torch.float64) for kind, cap in kinds]
-        results = spawn(_main, n, jobs, impl, run_sizes, timeout=FSDP_TIMEOUT)
+        results = spawn(_main, n, jobs, impl, run_sizes, timeout=CHECK_TIMEOUT)
         reference = train_reference(h, sizes["num_layers"], b, sizes["num_steps"], "adamw", seed=sizes["seed"])[0]
         for j, (kind, _) in enumerate(kinds):
             by_rank = [results[r][j] for r in range(n)]
@@ -139,7 +139,7 @@ def check_zero2(Zero2AdamW, world_size, hidden_dim, num_layers, batch_size, num_
     done = _train_and_verify([("zero-pytorch", None), ("zero2", None)], {"Zero2AdamW": Zero2AdamW}, world_size, sizes,
                              {"zero2": lambda n: {"reduce_scatter": n, "all_gather": n}})
     results = spawn(_main, world_size, [("zero2", None, torch.float64)], {"Zero2AdamW": Zero2AdamW}, sizes,
-                    timeout=FSDP_TIMEOUT)
+                    timeout=CHECK_TIMEOUT)
     for rank in range(world_size):
         held = results[rank][0]["after_backward"]["whole gradients"]
         if held:
@@ -180,7 +180,7 @@ def check_memory(Zero1AdamW, Zero2AdamW, FSDPLinear, all_gather_unit, world_size
     impl = {"Zero1AdamW": Zero1AdamW, "Zero2AdamW": Zero2AdamW, "FSDPLinear": FSDPLinear,
             "all_gather_unit": all_gather_unit}
     jobs = [(kind, None, dtype) for kind in ("ddp", "zero1", "zero2", "fsdp")]
-    results = spawn(_main, world_size, jobs, impl, sizes, timeout=FSDP_TIMEOUT)
+    results = spawn(_main, world_size, jobs, impl, sizes, timeout=CHECK_TIMEOUT)
     e = torch.empty(0, dtype=dtype).element_size()
     shard = fsdp.shard_numel(hidden_dim**2, world_size)
     unit = e * world_size * shard  # a gathered unit, padding included
@@ -233,7 +233,7 @@ def check_prefetch(FSDPLinear, Prefetcher, world_size, hidden_dim, num_layers, b
     fsdp.check_sizes(batch_size, world_size)
     impl = {"FSDPLinear": FSDPLinear, "Prefetcher": Prefetcher}
     jobs = [("fsdp", cap, torch.float64) for cap in caps]
-    results = spawn(_main, world_size, jobs, impl, sizes, timeout=FSDP_TIMEOUT)
+    results = spawn(_main, world_size, jobs, impl, sizes, timeout=CHECK_TIMEOUT)
     reference = train_reference(hidden_dim, num_layers, batch_size, num_steps, "adamw", seed=seed)[0]
     units = {}
     for j, cap in enumerate(caps):

@@ -9,12 +9,11 @@ sends and receives, and how many micro-batches' activations each stage held at o
 import itertools
 
 from utils import pipeline as pp
-from utils.checks import TOLERANCE, max_abs_diff
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.counting import RECEIVES, SENDS
 from utils.launch import runnable_world_sizes, spawn
 from utils.model import parameter_names, reference_gradients, train_reference
 
-PP_TIMEOUT = 20  # seconds: a stage that waits for a send that never comes ends the check, not the notebook
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = {  # kind: (what the student wrote, PyTorch's schedule to compare with)
     "naive": ("naive_step", "gpipe"),
@@ -55,9 +54,9 @@ def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
 def _check_traffic(where, log, stage, num_stages, m, micro_bytes):
     """Forward: m activations to the next stage; backward: m gradients to the previous one."""
     expected = m * ((stage < num_stages - 1) + (stage > 0))
-    sends = [b for name, b in log if name in SENDS]
-    receives = sum(1 for name, _ in log if name in RECEIVES)
-    others = sorted({name for name, _ in log if name not in SENDS + RECEIVES})
+    sends = [call.nbytes for call in log if call.name in SENDS]
+    receives = sum(1 for call in log if call.name in RECEIVES)
+    others = sorted({call.name for call in log if call.name not in SENDS + RECEIVES})
     if others:
         raise AssertionError(f"{where}: called {others}; a pipeline only needs send and recv (or isend and irecv)")
     what = (f"{m} activation(s) to the next stage" if stage < num_stages - 1 else "") + \
@@ -132,7 +131,7 @@ def _check_alive(where, kind, peak, stage, num_stages, m):
 
 
 def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches=1,
-                   seed=0, timeout=PP_TIMEOUT):
+                   seed=0, timeout=CHECK_TIMEOUT):
     """Train with `schedule` on every stage count and micro-batch count; compare everything (see the module doc)."""
     if kind not in SCHEDULES:
         raise ValueError(f"kind must be one of {list(SCHEDULES)}, got {kind!r}")
@@ -178,18 +177,18 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
 
 
 def check_naive_step(naive_step, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0,
-                     timeout=PP_TIMEOUT):
+                     timeout=CHECK_TIMEOUT):
     check_schedule("naive", lambda stage, batch, m: naive_step(stage, batch), world_size, hidden_dim, num_layers,
                    batch_size, num_steps, 1, seed, timeout)
 
 
 def check_gpipe_step(gpipe_step, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches, seed=0,
-                     timeout=PP_TIMEOUT):
+                     timeout=CHECK_TIMEOUT):
     check_schedule("gpipe", gpipe_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
                    num_micro_batches, seed, timeout)
 
 
 def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
-                           num_micro_batches, seed=0, timeout=PP_TIMEOUT):
+                           num_micro_batches, seed=0, timeout=CHECK_TIMEOUT):
     check_schedule("1f1b", one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
                    num_micro_batches, seed, timeout)

@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from utils.checks import TOLERANCE, max_abs_diff, seeded_randn
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.launch import spawn
 
 AVERAGE_SHAPES = [(1,), (5,), (3, 4)]
@@ -22,7 +22,7 @@ def _average_main(rank, world_size, average_over_ranks, shapes, seed):
 
 def check_average_over_ranks(average_over_ranks, world_size, seed=0):
     """Every rank must end with the mean over ranks of its tensor, written in place."""
-    results = spawn(_average_main, world_size, average_over_ranks, AVERAGE_SHAPES, seed, timeout=20)
+    results = spawn(_average_main, world_size, average_over_ranks, AVERAGE_SHAPES, seed, timeout=CHECK_TIMEOUT)
     for i, shape in enumerate(AVERAGE_SHAPES):
         inputs = torch.stack([results[rank][i][0] for rank in range(world_size)])
         mean = inputs.mean(dim=0)  # the single-process reference

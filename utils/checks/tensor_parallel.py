@@ -2,17 +2,16 @@
 import torch
 
 from utils import tensor_parallel as tp
-from utils.checks import TOLERANCE, max_abs_diff, seeded_randn
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.counting import record_communication
 from utils.launch import spawn
 from utils.model import build_mlp, layer_weight, loss_fn, make_batch, parameter_names, train_reference
 
-TP_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 
 
 def _count(log, *names):
     """How many calls the log holds: of these names, or of any collective but barrier."""
-    return sum(1 for name, _ in log if (name in names if names else name != "barrier"))
+    return sum(1 for call in log if (call.name in names if names else call.name != "barrier"))
 
 
 def _gather_forward_main(rank, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed):
@@ -27,7 +26,7 @@ def check_all_gather_forward(all_gather_forward, world_size, hidden_dim, num_lay
     """Every layer column-sharded, the activations all-gathered after each: every rank ends with the whole output."""
     tp.check_sizes(hidden_dim, world_size)
     results = spawn(_gather_forward_main, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed,
-                    timeout=TP_TIMEOUT)
+                    timeout=CHECK_TIMEOUT)
     with torch.no_grad():
         want = build_mlp(hidden_dim, num_layers, seed)(make_batch(batch_size, hidden_dim, seed))
     for rank, (got, log) in enumerate(results):
@@ -64,7 +63,7 @@ def _regions_main(rank, world_size, CopyToParallelRegion, ReduceFromParallelRegi
 
 def check_parallel_regions(CopyToParallelRegion, ReduceFromParallelRegion, world_size, seed=0):
     """Copy: forward identity, backward all-reduce. Reduce: forward all-reduce, backward identity."""
-    results = spawn(_regions_main, world_size, CopyToParallelRegion, ReduceFromParallelRegion, seed, timeout=TP_TIMEOUT)
+    results = spawn(_regions_main, world_size, CopyToParallelRegion, ReduceFromParallelRegion, seed, timeout=CHECK_TIMEOUT)
     xs = [seeded_randn((3, 5), seed, r) for r in range(world_size)]
     gs = [seeded_randn((3, 5), seed + 1, r) for r in range(world_size)]
     x_sum, g_sum = sum(xs), sum(gs)
@@ -133,7 +132,7 @@ def check_parallel_linear(ColumnParallelLinear, RowParallelLinear, world_size, h
     """Each layer alone: its weight shard, output, input gradient and weight gradient equal the reference's slices."""
     local_dim = tp.check_sizes(hidden_dim, world_size)
     results = spawn(_linear_main, world_size, ColumnParallelLinear, RowParallelLinear, hidden_dim, batch_size, seed,
-                    timeout=TP_TIMEOUT)
+                    timeout=CHECK_TIMEOUT)
     x = seeded_randn((batch_size, hidden_dim), seed)
     g = seeded_randn((batch_size, hidden_dim), seed + 1)
     for name, cls, layer in (("column", ColumnParallelLinear, 0), ("row", RowParallelLinear, 1)):
@@ -225,7 +224,7 @@ def check_tensor_parallel_mlp(ColumnParallelLinear, RowParallelLinear, world_siz
     """The whole MLP: outputs, input and weight gradients, K steps of SGD and AdamW; against DTensor's too."""
     tp.check_sizes(hidden_dim, world_size, num_layers)
     results = spawn(_tp_mlp_main, world_size, ColumnParallelLinear, RowParallelLinear, hidden_dim, num_layers,
-                    batch_size, num_steps, seed, timeout=TP_TIMEOUT)
+                    batch_size, num_steps, seed, timeout=CHECK_TIMEOUT)
     names = parameter_names(num_layers)
     model = build_mlp(hidden_dim, num_layers, seed)
     x = make_batch(batch_size, hidden_dim, seed).requires_grad_()

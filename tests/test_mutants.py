@@ -1,0 +1,27 @@
+"""Mutation testing: every communication call of every solution, made a no-op, is caught by some check."""
+import nbformat
+import pytest
+
+from utils import mutants
+from utils.notebooks import ROOT
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def test_call_sites_are_found_only_inside_solution_regions():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "dist.all_reduce(x)\n### BEGIN SOLUTION\ny = 1\ndist.all_reduce(x)\nwork = dist.isend(t, 1)\n"
+        "### END SOLUTION\ndist.barrier()")])
+    assert mutants.call_sites(nb) == [(0, 3), (0, 4)]
+    mutated = mutants.mutant(nb, (0, 4))
+    assert "work = _mutant_no_op(t, 1)" in mutated.cells[1].source
+    assert mutated.cells[1].source.count("_mutant_no_op") == 1 and "def _mutant_no_op" in mutated.cells[0].source
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_every_mutant_is_killed(path):
+    killed, total, survivors = mutants.run(path, log=lambda line: None)
+    assert total, f"{path.name}: no communication call inside a solution region"
+    assert not survivors, f"{path.name}: {len(survivors)} of {total} mutants survived:\n" + "\n".join(survivors)
