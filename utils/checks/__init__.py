@@ -24,3 +24,31 @@ def max_abs_diff(a, b):
         return 0.0
     diff = (a.to(torch.float64) - b.to(torch.float64)).abs()
     return float("inf") if diff.isnan().any() else diff.max().item()
+
+
+def diagnose_gradient(got, want, local, world_size, num_micro_batches=1):
+    """Why a gradient (or a shard of one) is not `want`, the whole batch's: the usual mistakes, in words.
+
+    `local` is this rank's own gradient (of its slice of the batch, the same part as `want`)."""
+    if got is None:
+        return "it is None: no gradient reached it"
+    if got.shape != want.shape:
+        return f"its shape is {tuple(got.shape)}, expected {tuple(want.shape)}"
+    n, m = world_size, num_micro_batches
+    # With micro-batches, their weighting comes first: when m == n, "m times" and "n times" look alike,
+    # and a check of micro-batches runs after the averaging has been checked on its own.
+    candidates = [(want * m, f"it is {m} times too large, the number of micro-batches: divide each "
+                             f"micro-batch's loss by num_micro_batches"),
+                  (want * m * n, f"it is {m * n} times too large: divide each micro-batch's loss by "
+                                 f"num_micro_batches, and the summed gradient by the world size")] if m > 1 else []
+    candidates += [(want * n, f"it is {n} times too large: the sum over ranks, not the mean; divide by the world "
+                              f"size"),
+                   (local, "it is this rank's own gradient: it was never summed over the ranks"),
+                   (local / n, "it is this rank's own gradient divided by the world size: it was never summed over "
+                               "the ranks"),
+                   (want / n, "it is the mean divided by the world size once more")]
+    for value, hint in candidates:
+        if max_abs_diff(got, value) < TOLERANCE * max(1.0, value.abs().max().item()):
+            return hint
+    difference, scale = max_abs_diff(got, want), want.abs().max().item()
+    return f"it differs from the whole batch's gradient by up to {difference:.3g} (its largest entry is {scale:.3g})"
