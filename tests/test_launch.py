@@ -46,6 +46,14 @@ REPO = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0))
 
 
+@pytest.fixture(autouse=True, params=["fork", "spawn"])
+def start_method(request, monkeypatch):
+    """Every test of the contract runs twice: ranks forked (Linux's default) and spawned (macOS's path,
+    with warm ranks), unless it picks a start method itself."""
+    monkeypatch.setenv(utils.launch.START_METHOD_ENV, request.param)
+    return request.param
+
+
 # ---------------------------------------------------------------- helpers
 
 def _exists(pid, allow_zombie=False):
@@ -106,8 +114,7 @@ def _stall_lines(message):
 
 
 def _subprocess_env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in utils.launch.TORCHRUN_ENV and k != utils.launch.START_METHOD_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in utils.launch.TORCHRUN_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
@@ -720,3 +727,121 @@ def test_under_torchrun():
     # fn's prints come back once per rank, prefixed, as in a notebook
     assert proc.stdout.count("[rank 0] fn ran on rank 0") == 2, output
     assert proc.stdout.count("[rank 1] fn ran on rank 1") == 2, output
+
+
+# ---------------------------------------------------------------- 12. warm ranks (the spawn start method)
+
+def _set_everything(rank, world_size):
+    """Runs in a rank: change every kind of process state a later call could trip over."""
+    utils._left_behind = True
+    dist.all_reduce = lambda *args, **kwargs: None  # a patched torch.distributed function
+    torch.manual_seed(1234)
+    torch.set_num_threads(7)
+    os.environ["SPAWN_LEAK_PROBE"] = "1"
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+
+
+def _look_at_everything(rank, world_size):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return dict(left_behind=hasattr(utils, "_left_behind"), all_reduce=t.item(), seed=torch.initial_seed(),
+                threads=torch.get_num_threads(), env="SPAWN_LEAK_PROBE" in os.environ,
+                dtype=torch.get_default_dtype(), device=str(torch.empty(0).device),
+                group=(dist.get_rank(), dist.get_world_size()))
+
+
+def test_nothing_leaks_from_one_call_into_the_next():
+    """12: module state, a patched dist function, RNG, threads, environment, default dtype: each call starts clean."""
+    spawn(_set_everything, 2)
+    for world_size in (2, 3):
+        seen = spawn(_look_at_everything, world_size)
+        for rank, s in enumerate(seen):
+            assert s == dict(left_behind=False, all_reduce=float(world_size), seed=s["seed"],
+                             threads=max(1, CORES // world_size), env=False, dtype=torch.float32, device="cpu",
+                             group=(rank, world_size)), s
+            assert s["seed"] != 1234
+
+
+def test_an_edited_library_file_is_seen_by_the_next_call():
+    """12: an instructor editing a file under utils/ between two calls gets the new code, not a warm copy."""
+    probe = REPO / "utils" / "_edited_probe.py"
+
+    def value(rank, world_size):
+        from utils import _edited_probe
+        return _edited_probe.VALUE
+
+    try:
+        probe.write_text("VALUE = 1\n")
+        assert spawn(value, 2) == [1, 1]
+        probe.write_text("VALUE = 2\n")
+        assert spawn(value, 2) == [2, 2]
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _forkserver_pid():
+    import multiprocessing.forkserver
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def test_a_failed_or_stalled_call_leaves_warm_ranks_working(start_method):
+    """12: after a rank raised and after a stall, the next call works, from the same warm server."""
+    spawn(_ok, 2)
+    server = _forkserver_pid()
+    with pytest.raises(RankError):
+        spawn(lambda rank, world_size: 1 / 0, 2)
+    with pytest.raises(TimeoutError):
+        spawn(lambda rank, world_size: time.sleep(30), 2, timeout=1)
+    assert spawn(_ok, 2) == [0, 1]
+    if start_method == "spawn":
+        assert _forkserver_pid() == server is not None  # no new cold start
+
+
+def _parent_pid(rank, world_size):
+    return os.getppid()
+
+
+def test_warm_ranks_can_be_turned_off(monkeypatch):
+    """12: warm=False or SPAWN_WARM=0 spawns every rank from the caller; warm ranks are the server's children."""
+    monkeypatch.delenv("SPAWN_WARM", raising=False)
+    me = os.getpid()
+    assert spawn(_parent_pid, 2, start_method="spawn", warm=False) == [me, me]
+    assert me not in spawn(_parent_pid, 2, start_method="spawn")
+    monkeypatch.setenv("SPAWN_WARM", "0")
+    assert spawn(_parent_pid, 2, start_method="spawn") == [me, me]
+    assert spawn(_parent_pid, 2, start_method="spawn", warm=True) != [me, me]  # the argument beats the variable
+    with pytest.raises(TypeError):
+        spawn(_ok, 2, warm="yes")
+
+
+WARM_OWNER_SCRIPT = """
+import multiprocessing.forkserver, sys, time
+from utils.launch import spawn
+
+spawn(lambda rank, world_size: None, 2, start_method="spawn")
+print(multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _tcp_listeners(pid):
+    """The TCP sockets process `pid` holds in state LISTEN."""
+    inodes = {m[1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if (m := re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}")))}
+    rows = [row.split() for table in ("/proc/net/tcp", "/proc/net/tcp6") for row in
+            Path(table).read_text().splitlines()[1:]]
+    return [row[1] for row in rows if row[3] == "0A" and row[9] in inodes]
+
+
+def test_the_warm_server_listens_on_no_port_and_dies_with_its_owner():
+    """12: between calls the warm server holds no TCP listener; SIGKILL its owner and it is gone in seconds."""
+    owner = subprocess.Popen(_python(WARM_OWNER_SCRIPT), cwd=REPO, env=_subprocess_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        server = int(owner.stdout.readline())
+        assert _exists(server) and _tcp_listeners(server) == []
+    finally:
+        owner.kill()
+        owner.wait()
+    assert _still_alive([server], grace=5.0, allow_zombie=True) == []

@@ -8,13 +8,33 @@ per call); the children's prints bypass the notebook; and a rank that skips a co
 for the default 30 minutes. Here instead:
 
 - `fn` travels by value (cloudpickle): notebook functions, lambdas and closures all work;
-- ranks are forked on Linux (a fraction of a second) and spawned elsewhere (fork is unsafe on macOS);
+- ranks are forked on Linux (a fraction of a second) and spawned elsewhere (fork is unsafe on macOS):
+  warm, after the first call (see "Warm ranks" below);
 - ranks meet through a FileStore in a temporary folder: no port to pick or collide on, nothing
   listens on the network, and gloo's own sockets stay on the loopback interface;
 - each rank's stdout and stderr go to files that the caller prints afterwards, in rank order,
   each line prefixed `[rank R] `;
 - a rank that raises ends the call within seconds with that rank's traceback; a rank that stalls
   ends it after `timeout` seconds with where every unfinished rank was stuck.
+
+Warm ranks (the spawn start method: macOS, or SPAWN_START_METHOD=spawn). A spawned rank is a new
+Python that imports torch: about 3 s for every call, and the notebooks launch dozens of times. Two
+ways to pay that once were measured here (2 cores, Linux, SPAWN_START_METHOD=spawn, a 4-rank call
+that joins a gloo group, all-reduces one number and leaves; benchmarks/launch_overhead.py):
+
+- a pool of warm rank processes, kept between calls, each call shipping fn to them: fast, but
+  everything a call leaves behind in a process (module state, a patched torch.distributed function,
+  RNG state, environment variables, the default dtype, a library file edited in between) would
+  reach the next call, and each of those must be undone by hand, forever;
+- multiprocessing's `forkserver` with torch preloaded: one fresh Python (the server) imports torch
+  once and runs no user code; each rank of each call is a fork of it. Every call starts from the
+  same clean state by construction, `utils` is imported fresh by every rank (an edited file is
+  seen), and the server exits with its caller (it reads a pipe from it: EOF when the caller dies,
+  even killed with SIGKILL).
+
+The second is what `spawn` does with the spawn start method (measured in benchmarks/, see the
+README). The server's one listener is a Unix-domain socket in a private temporary folder (no
+network port). Turn warm ranks off with `warm=False` or SPAWN_WARM=0: every call then spawns.
 """
 import atexit
 import contextlib
@@ -35,6 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
 from multiprocessing.connection import wait as wait_for_any
 
@@ -43,6 +64,8 @@ import torch
 import torch.distributed as dist
 
 START_METHOD_ENV = "SPAWN_START_METHOD"
+WARM_ENV = "SPAWN_WARM"
+PRELOAD = ["torch", "torch.distributed", "cloudpickle"]  # what the forkserver imports once; never utils
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
 STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
@@ -58,25 +81,28 @@ class RankError(RuntimeError):
         super().__init__(message + (f"\n\n{details}" if details else ""))
 
 
-def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None, **kwargs):
+def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None, warm=None, **kwargs):
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return their results.
 
     The default process group is ready when `fn` starts and destroyed when it returns. The
     result is the list of return values in rank order. `timeout` counts from the moment every
     rank has joined the group (starting up has its own STARTUP_SECONDS). Under torchrun, `fn`
     runs on the ranks torchrun started (in this process) and every rank gets the whole list.
+    With the spawn start method, `warm` (default: on, unless $SPAWN_WARM is 0) forks the ranks from
+    a server that has imported torch once.
     """
-    check_arguments(fn, world_size, backend, timeout, start_method)
+    check_arguments(fn, world_size, backend, timeout, start_method, warm)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     if backend == "nccl" and start_method is None:
         start_method = "spawn"  # CUDA does not survive fork
-    return _run_local(fn, world_size, args, kwargs, backend, timeout, resolve_start_method(start_method))
+    context = rank_context(resolve_start_method(start_method), warm)
+    return _run_local(fn, world_size, args, kwargs, backend, timeout, context)
 
 
 # ---------------------------------------------------------------- arguments and environment
 
-def check_arguments(fn, world_size, backend="gloo", timeout=60.0, start_method=None):
+def check_arguments(fn, world_size, backend="gloo", timeout=60.0, start_method=None, warm=None):
     """Fail before any process starts, with a message that says what to change."""
     if not callable(fn):
         raise TypeError(f"spawn: fn must be a function taking (rank, world_size, ...), got {type(fn).__name__}")
@@ -97,6 +123,8 @@ def check_arguments(fn, world_size, backend="gloo", timeout=60.0, start_method=N
         raise ValueError(f"spawn: timeout must be positive, got {timeout}")
     if start_method is not None:
         resolve_start_method(start_method)
+    if warm is not None and not isinstance(warm, bool):
+        raise TypeError(f"spawn: warm must be True, False or None (the default: ${WARM_ENV}, else on), got {warm!r}")
 
 
 def resolve_start_method(start_method=None):
@@ -107,6 +135,23 @@ def resolve_start_method(start_method=None):
     if method not in methods:  # ranks' parent would be the server, and they watch their parent
         raise ValueError(f"spawn: start method must be one of {methods}, got {method!r}")
     return method
+
+
+def warm_ranks(warm=None):
+    """Whether spawned ranks are forked from a warm server: `warm` if given, else $SPAWN_WARM (default on)."""
+    if warm is not None:
+        return warm
+    return os.environ.get(WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def rank_context(start_method, warm=None):
+    """The multiprocessing context that starts the ranks: fork; spawn; or, for spawn with warm ranks, a
+    forkserver that has imported torch once (see the module's opening comment)."""
+    if start_method == "spawn" and warm_ranks(warm):
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        return context
+    return mp.get_context(start_method)
 
 
 def under_torchrun():
@@ -168,19 +213,18 @@ def _leave_together():
 
 # ---------------------------------------------------------------- local processes
 
-def _run_local(fn, world_size, args, kwargs, backend, timeout, start_method):
+def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as e:
         raise TypeError(f"spawn: cannot send fn and its arguments to the ranks: {e}") from e
     rundir = tempfile.mkdtemp(prefix="spawn-")
-    context = mp.get_context(start_method)
     procs, ready = [], []
     try:
         sys.stdout.flush()  # or a forked child could print the parent's pending output again
         sys.stderr.flush()
-        with warnings.catch_warnings():  # Python >= 3.12 warns on fork from a threaded process (a
-            warnings.simplefilter("ignore", DeprecationWarning)  # Jupyter kernel); ranks use no parent thread
+        with warnings.catch_warnings(), _without_main():  # Python >= 3.12 warns on fork from a threaded
+            warnings.simplefilter("ignore", DeprecationWarning)  # process (Jupyter); ranks use no parent thread
             for rank in range(world_size):
                 ready_receiver, ready_sender = context.Pipe(duplex=False)
                 ready.append(ready_receiver)
@@ -203,6 +247,18 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, start_method):
         _stop(procs)
         _print_outputs(rundir, len(procs))
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _without_main():
+    """Start the ranks without the caller's __main__: they get fn by value and need nothing from it, and a
+    spawned rank would import it again (in Jupyter, the kernel's launcher: about half a second per rank)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _stop(procs):
@@ -243,12 +299,12 @@ def _wait(procs, ready, rundir, timeout):
     return "ok", []
 
 
-def _rank_main(rank, world_size, backend, timeout, payload, rundir, parent_pid, ready):
+def _rank_main(rank, world_size, backend, timeout, payload, rundir, caller_pid, ready):
     """The body of one rank's process: capture output, join the group, run fn, report."""
     _capture_output(rundir, rank)
     faulthandler.enable(file=sys.stderr)  # a crash dumps this rank's Python stack into its own stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the caller, which stops every rank
-    _exit_with_parent(parent_pid)
+    _exit_with_caller(caller_pid)
     stack_file = open(os.path.join(rundir, f"{rank}.stack"), "w")
     stack_file.write(f"main thread {threading.get_ident():#x}\n")
     stack_file.flush()
@@ -287,13 +343,32 @@ def _capture_output(rundir, rank):
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
 
 
-def _exit_with_parent(parent_pid):
-    """If the caller dies (a killed kernel), its ranks must not linger."""
+def _exit_with_caller(caller_pid):
+    """If the caller dies (a killed kernel), its ranks must not linger. A forked or spawned rank's parent is
+    the caller; a warm rank's is the forkserver, which its ranks keep alive (they inherit the end of the
+    pipe that tells it its clients are gone): so watch the caller itself too."""
+    parent = os.getppid()
+
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and _running(caller_pid):
             time.sleep(0.2)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _running(pid):
+    """Whether process `pid` exists and is not a zombie (a killed caller its own parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc (macOS): kill(pid, 0) is all there is
 
 
 # ---------------------------------------------------------------- reports
@@ -369,40 +444,61 @@ def _print_prefixed(text, rank, stream):
 
 # ---------------------------------------------------------------- stalls
 
-def _where_stuck(procs, ranks, rundir, wait=3.0):  # more than enough, even on a busy machine
-    """Ask each stalled rank for its Python stack (faulthandler on SIGUSR1); one line per rank."""
+def _where_stuck(procs, ranks, rundir, wait=10.0):
+    """Ask each stalled rank for its Python stack (faulthandler on SIGUSR1); one line per rank.
+
+    A rank writes its dump while the caller reads: wait until the main thread's part is complete (a blank
+    line ends it, or the file stops growing), so that a busy machine changes how long this takes, not what
+    it reports."""
     for rank in ranks:
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[rank].pid, signal.SIGUSR1)
     deadline = time.monotonic() + wait
     stacks = {}
     for rank in ranks:
-        path = os.path.join(rundir, f"{rank}.stack")
-        text = ""
-        while "File" not in text and time.monotonic() < deadline:
+        path, text, previous = os.path.join(rundir, f"{rank}.stack"), "", None
+        while time.monotonic() < deadline and not (_main_thread_complete(text) or (text == previous and
+                                                                                  _main_thread_frames(text))):
+            previous = text
+            time.sleep(0.1)
             with contextlib.suppress(FileNotFoundError), open(path) as f:
                 text = f.read()
-            time.sleep(0.01)
         stacks[rank] = _innermost_user_frame(text)
     return stacks
 
 
-def _innermost_user_frame(text):
-    """From a faulthandler dump, the main thread's innermost frame outside torch and Python."""
+def _main_thread_frames(text):
+    """The (path, line, function) frames of the main thread in a faulthandler dump, innermost first, and
+    whether its part of the dump has ended (a blank line follows it)."""
     lines = text.splitlines()
     if not lines or not lines[0].startswith("main thread"):
-        return "still starting up"
+        return []
     main, frames, in_main = int(lines[0].split()[-1], 16), [], False
     for line in lines[1:]:
         if "thread 0x" in line.lower():
             in_main = int(line.split("0x", 1)[1].split()[0], 16) == main
         elif in_main and (m := FRAME.search(line)):
             frames.append((m[1], int(m[2]), m[3]))
+        elif in_main and not line.strip() and frames:
+            return frames + [None]  # None: the main thread's part is complete
+    return frames
+
+
+def _main_thread_complete(text):
+    frames = _main_thread_frames(text)
+    return bool(frames) and frames[-1] is None
+
+
+def _innermost_user_frame(text):
+    """From a faulthandler dump, the main thread's innermost frame outside torch and Python."""
+    if not text.startswith("main thread"):
+        return "still starting up"
+    frames = [f for f in _main_thread_frames(text) if f is not None]
     library = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__),
                os.path.dirname(cloudpickle.__file__), __file__)
     user = [f for f in frames if not f[0].startswith(library)] or frames
     if not user:
-        return "unknown"
+        return "no Python stack received (the rank did not answer its stack request)"
     path, lineno, name = user[0]
     source = linecache.getline(path, lineno).strip()
     return f"in {name}(), line {lineno}" + (f": {source}" if source else "")
