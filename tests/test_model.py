@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.launch import spawn
-from utils.model import build_mlp, layer_weight, local_batch, loss_fn, make_batch, make_optimizer, train_reference
+from utils.model import (build_mlp, layer_weight, local_batch, loss_fn, make_batch, make_optimizer, step_batches, train,
+                         train_reference)
 
 TOLERANCE = 1e-12  # float64, only the order of additions differs
 
@@ -189,35 +190,26 @@ def test_training_lowers_the_loss(name):
 
 # ---------------------------------------------------------------- data parallel reproduces the reference
 
+def _average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
 def _data_parallel_main(rank, world_size, name, batch_size, num_steps, average=True):
     """The manual data-parallel loop: own slice, own loss, then average the gradients."""
     model = build_mlp(16, 4, seed=0)
-    opt = make_optimizer(model.parameters(), name)
-    losses = []
-    for step in range(num_steps):
-        loss = loss_fn(model(local_batch(make_batch(batch_size, 16, seed=0, step=step), rank, world_size)))
-        loss.backward()
-        for p in model.parameters():
-            if average:
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, make_optimizer(model.parameters(), name),
+                   step_batches(batch_size, 16, 0, num_steps, rank, world_size),
+                   synchronize=(lambda: _average_gradients(model)) if average else None)
     return weights(model), losses
 
 
 def _ddp_main(rank, world_size, name, batch_size, num_steps):
     """The same with PyTorch's DistributedDataParallel, which averages the gradients in backward."""
     model = DistributedDataParallel(build_mlp(16, 4, seed=0))
-    opt = make_optimizer(model.parameters(), name)
-    losses = []
-    for step in range(num_steps):
-        loss = loss_fn(model(local_batch(make_batch(batch_size, 16, seed=0, step=step), rank, world_size)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, make_optimizer(model.parameters(), name),
+                   step_batches(batch_size, 16, 0, num_steps, rank, world_size))
     return weights(model.module), losses
 
 

@@ -5,6 +5,7 @@ with `train_reference`. So everything random here comes from its own generator, 
 (seed, layer) or (seed, step): every process can rebuild any layer or any batch on its own,
 bit for bit, whatever the global RNG state and in whatever order it builds them.
 """
+import contextlib
 import hashlib
 
 import torch
@@ -138,15 +139,43 @@ def train_reference(hidden_dim, num_layers, batch_size, num_steps, optimizer="sg
 
 def train_steps(model, opt, hidden_dim, batch_size, num_steps, seed=0, dtype=torch.float64):
     """`num_steps` steps, each on the whole of that step's batch; returns the losses by step."""
-    losses = []
-    for step in range(num_steps):
-        loss = loss_fn(model(make_batch(batch_size, hidden_dim, seed, step, dtype)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, opt, step_batches(batch_size, hidden_dim, seed, num_steps, dtype=dtype))
 
+
+def step_batches(batch_size, hidden_dim, seed, num_steps, rank=None, world_size=1, dtype=torch.float64):
+    """The batches of steps 0, 1, ...: whole, or this rank's slices of them (data parallel)."""
+    for step in range(check_int("num_steps", num_steps, 0)):
+        batch = make_batch(batch_size, hidden_dim, seed, step, dtype)
+        yield batch if rank is None else local_batch(batch, rank, world_size)
+
+
+def forward_backward(model, batch):
+    loss = loss_fn(model(batch))
+    loss.backward()
+    return loss
+
+
+def train(model, optimizer, batches, *, forward_backward=forward_backward, synchronize=None, watch=None):
+    """The training loop of the course, once: for each batch, forward and backward, synchronise, step.
+
+    The variation points:
+      forward_backward(model, batch) -> loss   micro-batches, or a pipeline stage's schedule (a stage
+                                                without the loss returns None)
+      synchronize()                             between backward and the optimizer step: e.g. wait for
+                                                the gradients' all-reduces
+      watch(step)                               a context manager around one whole step, or None: e.g.
+                                                a memory tracker, a communication log
+    Returns the losses by step, as floats (None where forward_backward returned None)."""
+    losses = []
+    for step, batch in enumerate(batches):
+        with watch(step) if watch is not None else contextlib.nullcontext():
+            loss = forward_backward(model, batch)
+            if synchronize is not None:
+                synchronize()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses
 
 class AwkwardModel(nn.Module):
     """What the course's MLP lacks, in one small model, for the checks of notebooks 02 and 05:
