@@ -16,7 +16,8 @@ from utils.sizes import check_int, divide
 
 def check_sizes(hidden_dim, world_size, num_layers=2):
     """hidden_dim must split evenly over the ranks; layers come in (column, row) pairs."""
-    local_dim = divide("hidden_dim", hidden_dim, "world_size", world_size, "each rank must hold the same number of features")
+    local_dim = divide("hidden_dim", hidden_dim, "world_size", world_size,
+                       "each rank must hold the same number of features")
     if check_int("num_layers", num_layers) % 2:
         raise ValueError(f"num layers {num_layers} is odd: tensor parallel layers come in (column, row) "
                          f"pairs; use an even number")
@@ -95,13 +96,14 @@ def build_dtensor_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.fl
     return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tp_plan(num_layers))
 
 
+def local_part(tensor):
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is (None stays None)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def local_weights(model):
-    """This rank's weight shards, plain tensors (DTensor's too)."""
-    out = []
-    for p in model.parameters():
-        p = p.detach()
-        out.append((p.to_local() if hasattr(p, "to_local") else p).clone())
-    return out
+    """This rank's weight shards, as plain tensors (DTensor's too)."""
+    return [local_part(p.detach()).clone() for p in model.parameters()]
 
 
 def gather_weights(shards_by_rank, num_layers):

@@ -1,0 +1,212 @@
+"""The notebook 03 checks (utils.checks.tensor_parallel): the solution passes at any world size; each typical wrong
+answer, written as a small edit of the solution notebook's own code, fails at its own check with a hint naming it."""
+import pytest
+
+from utils import tensor_parallel as tp
+from utils.checks.tensor_parallel import (
+    check_all_gather_forward,
+    check_parallel_linear,
+    check_parallel_regions,
+    check_tensor_parallel_mlp,
+)
+from utils.notebooks import solution
+
+NAME = "03_tensor_parallel"
+HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS = 12, 4, 6, 2
+
+
+def linears(sol):
+    return sol.ColumnParallelLinear, sol.RowParallelLinear
+
+
+def regions(sol):
+    return sol.CopyToParallelRegion, sol.ReduceFromParallelRegion
+
+
+# ---------------------------------------------------------------- the solution passes
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_solution_passes(world_size, capsys):
+    sol = solution(NAME)
+    check_all_gather_forward(sol.all_gather_forward, world_size, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+    check_parallel_regions(*regions(sol), world_size)
+    check_parallel_linear(*linears(sol), world_size, HIDDEN_DIM, BATCH_SIZE)
+    check_tensor_parallel_mlp(*linears(sol), world_size, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
+    out = capsys.readouterr().out
+    assert out.count("correct on") == 4 and "DTensor" in out
+
+
+def test_sizes_name_both_numbers():
+    with pytest.raises(ValueError, match="hidden dim 10 .* world size 4"):
+        tp.check_sizes(10, 4)
+    with pytest.raises(ValueError, match="num layers 3 is odd"):
+        tp.check_sizes(12, 4, 3)
+    with pytest.raises(ValueError, match="hidden dim 10 .* world size 4"):
+        check_parallel_linear(*linears(solution(NAME)), 4, 10, BATCH_SIZE)
+
+
+# ---------------------------------------------------------------- all_gather_forward: wrong answers
+
+CAT = "        x = torch.cat(pieces, dim=1)\n"
+GATHER_MISTAKES = {
+    "no gather": ({"        pieces = [torch.empty_like(y) for _ in range(world_size)]\n": "",
+                   "        dist.all_gather(pieces, y)\n": "", CAT: "        x = y\n"},
+                  "this rank's features only: all-gather"),
+    "wrong order": ({CAT: "        x = torch.cat(pieces[::-1], dim=1)\n"}, "wrong order .* in rank order"),
+    "wrong dim": ({CAT: "        x = torch.cat(pieces, dim=0)\n"}, "stacked along the batch, dim 0"),
+    "one tensor N times": ({"[torch.empty_like(y) for _ in range(world_size)]": "[torch.empty_like(y)] * world_size"},
+                           "holds one tensor 3 times"),
+    "no GELU": ({"        y = F.gelu(x @ w.T)\n": "        y = x @ w.T\n"}, "hold no rank's slice .* gelu"),
+    "gathered list never filled": ({"        dist.all_gather(pieces, y)\n": ""},
+                                   "hold no rank's slice \\(NaN or uninitialised memory\\)|hold no rank's slice"),
+    "input never updated": ({CAT: "        out = torch.cat(pieces, dim=1)\n",
+                             "### END SOLUTION\n    return x": "### END SOLUTION\n    return out"},
+                            "take the previous layer's whole .* output as its input"),
+    "extra all-gather": ({"        dist.all_gather(pieces, y)\n": "        dist.all_gather(pieces, y)\n"
+                                                                   "        dist.all_gather(pieces, y)\n"},
+                         "8 all-gathers for 4 layers"),
+}
+
+
+@pytest.mark.parametrize("mistake", GATHER_MISTAKES)
+def test_a_wrong_all_gather_forward_fails_and_names_the_mistake(mistake):
+    replace, hint = GATHER_MISTAKES[mistake]
+    wrong = solution(NAME, replace=replace)
+    with pytest.raises(AssertionError, match="all_gather_forward on rank 0 of 3: .*" + hint):
+        check_all_gather_forward(wrong.all_gather_forward, 3, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+
+
+# ---------------------------------------------------------------- the parallel regions: wrong answers
+
+COPY_BACKWARD = "        grad = grad_output.clone()\n        dist.all_reduce(grad)\n        return grad\n"
+REDUCE_FORWARD = "        out = x.clone()\n        dist.all_reduce(out)\n        return out\n"
+REGION_MISTAKES = {
+    "copy: no all-reduce in backward": ({COPY_BACKWARD: "        return grad_output\n"},
+                                        "CopyToParallelRegion on rank 0 of 2: backward: it is this rank's own "
+                                        "gradient; the backward must all-reduce"),
+    "copy: all-reduce in forward instead of backward": (
+        {COPY_BACKWARD: "        return grad_output\n", "        return x.view_as(x)\n": REDUCE_FORWARD},
+        "CopyToParallelRegion on rank 0 of 2: the all-reduce is in the forward; it belongs in the backward"),
+    "copy: all-reduce in both directions": ({"        return x.view_as(x)\n": REDUCE_FORWARD},
+                                            "CopyToParallelRegion on rank 0 of 2: forward: it is the sum over ranks; "
+                                            "the forward must be the identity"),
+    "copy: averages in backward": ({"        dist.all_reduce(grad)\n": "        dist.all_reduce(grad)\n"
+                                                                        "        grad /= dist.get_world_size()\n"},
+                                   "CopyToParallelRegion .* backward: it is the mean over ranks: .* do not divide"),
+    "copy: all-reduces the incoming gradient in place": ({"        grad = grad_output.clone()\n":
+                                                          "        grad = grad_output\n"},
+                                                         "CopyToParallelRegion .* changed the incoming gradient in "
+                                                         "place; all-reduce a clone"),
+    "reduce: no all-reduce in forward": ({"        dist.all_reduce(out)\n": ""},
+                                         "ReduceFromParallelRegion on rank 0 of 2: forward: it is this rank's own "
+                                         "input; the forward must all-reduce"),
+    "reduce: all-reduce in backward instead of forward": (
+        {"        dist.all_reduce(out)\n": "", "        return grad_output\n": COPY_BACKWARD},
+        "ReduceFromParallelRegion on rank 0 of 2: the all-reduce is in the backward; it belongs in the forward"),
+    "reduce: all-reduce in both directions": ({"        return grad_output\n": COPY_BACKWARD},
+                                              "ReduceFromParallelRegion on rank 0 of 2: backward: it is the sum over "
+                                              "ranks; the backward must be the identity"),
+    "reduce: averages": ({"        dist.all_reduce(out)\n": "        dist.all_reduce(out, op=dist.ReduceOp.AVG)\n"},
+                         "ReduceFromParallelRegion .* forward: it is the mean over ranks"),
+    "reduce: no clone": ({REDUCE_FORWARD: "        dist.all_reduce(x)\n        return x\n"},
+                         "ReduceFromParallelRegion .* changed its input in place; all-reduce a clone"),
+}
+
+
+@pytest.mark.parametrize("mistake", REGION_MISTAKES)
+def test_wrong_regions_fail_and_name_the_mistake(mistake):
+    replace, hint = REGION_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_parallel_regions(*regions(solution(NAME, replace=replace)), 2)
+
+
+def test_a_missing_all_reduce_is_counted_even_on_one_rank():
+    wrong = solution(NAME, replace={COPY_BACKWARD: "        return grad_output\n"})
+    with pytest.raises(AssertionError, match="0 collective\\(s\\) in forward and 0 in backward; expected 0 and 1"):
+        check_parallel_regions(*regions(wrong), 1)
+
+
+# ---------------------------------------------------------------- the parallel linear layers: wrong answers
+
+COLUMN_SHARD = "weight.chunk(world_size, dim=0)[rank].clone()"
+ROW_SHARD = "weight.chunk(world_size, dim=1)[rank].clone()"
+COLUMN_FORWARD = "CopyToParallelRegion.apply(x) @ self.weight.T"
+ROW_FORWARD = "ReduceFromParallelRegion.apply(x @ self.weight.T)"
+LINEAR_MISTAKES = {
+    "column without Copy": ({COLUMN_FORWARD: "x @ self.weight.T"},
+                            "ColumnParallelLinear on rank 0 of 2: wrong input gradient; it is this rank's part of it: "
+                            "the backward must all-reduce"),
+    "column with Reduce instead of Copy": ({COLUMN_FORWARD: "ReduceFromParallelRegion.apply(x) @ self.weight.T"},
+                                           "ColumnParallelLinear on rank 0 of 2: wrong output; it is 2 times too "
+                                           "large: the forward all-reduced an input that is already whole"),
+    "row without Reduce": ({ROW_FORWARD: "x @ self.weight.T"},
+                           "RowParallelLinear on rank 0 of 2: wrong output; it is this rank's partial sum"),
+    "row all-reduces its gradient too": ({ROW_FORWARD: "CopyToParallelRegion.apply(ReduceFromParallelRegion.apply("
+                                                       "x @ self.weight.T))"},
+                                         "RowParallelLinear on rank 0 of 2: wrong input gradient; it is 2 times too "
+                                         "large"),
+    "column cut along the input features": ({COLUMN_SHARD: COLUMN_SHARD.replace("dim=0", "dim=1")},
+                                            "ColumnParallelLinear on rank 0 of 2: self.weight is not this rank's rows "
+                                            ".* it is this rank's columns .* cut along the other dimension"),
+    "row cut along the output features": ({ROW_SHARD: ROW_SHARD.replace("dim=1", "dim=0")},
+                                          "RowParallelLinear on rank 0 of 2: self.weight is not this rank's columns "
+                                          ".* it is this rank's rows"),
+    "another rank's shard": ({COLUMN_SHARD: COLUMN_SHARD.replace("[rank]", "[(rank + 1) % world_size]")},
+                             "ColumnParallelLinear on rank 0 of 2: .* it is rank 1's shard"),
+    "no copy of the shard": ({ROW_SHARD: ROW_SHARD.replace(".clone()", "")},
+                             "RowParallelLinear on rank 0 of 2: self.weight shares memory with the whole weight"),
+    "not a parameter": ({f"self.weight = nn.Parameter({COLUMN_SHARD})": f"self.weight = {COLUMN_SHARD}"},
+                        "ColumnParallelLinear on rank 0 of 2: self.weight is a plain tensor: wrap it in nn.Parameter"),
+}
+
+
+@pytest.mark.parametrize("mistake", LINEAR_MISTAKES)
+def test_wrong_linears_fail_and_name_the_mistake(mistake):
+    replace, hint = LINEAR_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_parallel_linear(*linears(solution(NAME, replace=replace)), 2, HIDDEN_DIM, BATCH_SIZE)
+
+
+def test_an_extra_all_reduce_that_changes_nothing_is_counted():
+    """An all-reduce whose result is thrown away changes no value: only the count shows it."""
+    wrong = solution(NAME, replace={f"        return {ROW_FORWARD}\n":
+                                    f"        dist.all_reduce(x.detach().clone())\n        return {ROW_FORWARD}\n"})
+    with pytest.raises(AssertionError, match="RowParallelLinear .* 2 collective\\(s\\) in forward and 0 in backward; "
+                                             "expected 1 and 0"):
+        check_parallel_linear(*linears(wrong), 2, HIDDEN_DIM, BATCH_SIZE)
+
+
+# ---------------------------------------------------------------- the MLP pairing: wrong answers
+
+MLP_MISTAKES = {
+    "column without Copy": ({COLUMN_FORWARD: "x @ self.weight.T"},
+                            "the backward first goes wrong at layers.1.linear.weight: .* look at layer 1's own "
+                            "backward, or the input gradient that layer 2 \\(ColumnParallelLinear, then GELU\\)"),
+    "copy's backward without all-reduce": ({COPY_BACKWARD: "        return grad_output\n"},
+                                           "the backward first goes wrong at layers.1.linear.weight"),
+    "row without Reduce": ({ROW_FORWARD: "x @ self.weight.T"},
+                           "the forward first goes wrong at layer 1 \\(RowParallelLinear, then GELU\\)"),
+    "row all-reduces its gradient too": ({ROW_FORWARD: "CopyToParallelRegion.apply(ReduceFromParallelRegion.apply("
+                                                       "x @ self.weight.T))"},
+                                         "the backward first goes wrong at layers.3.linear.weight: .* 2 times "
+                                         "too large"),
+    "another rank's shard": ({COLUMN_SHARD: COLUMN_SHARD.replace("[rank]", "[(rank + 1) % world_size]")},
+                             "the forward first goes wrong at layer 0"),
+    "not a parameter": ({f"self.weight = nn.Parameter({ROW_SHARD})": f"self.weight = {ROW_SHARD}"},
+                        "the backward first goes wrong at layers.3.linear.weight: .*it is None"),
+}
+
+
+@pytest.mark.parametrize("mistake", MLP_MISTAKES)
+def test_wrong_mlps_fail_and_name_the_layer(mistake):
+    replace, hint = MLP_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match="the tensor parallel MLP on rank 0 of 2: " + hint):
+        check_tensor_parallel_mlp(*linears(solution(NAME, replace=replace)), 2, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE,
+                                  NUM_STEPS)
+
+
+def test_an_extra_all_reduce_in_the_mlp_is_counted():
+    wrong = solution(NAME, replace={f"        return {ROW_FORWARD}\n":
+                                    f"        dist.all_reduce(x.detach().clone())\n        return {ROW_FORWARD}\n"})
+    with pytest.raises(AssertionError, match="4 all-reduce\\(s\\) in forward and 2 in backward .* expected 2 and 2"):
+        check_tensor_parallel_mlp(*linears(wrong), 2, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
