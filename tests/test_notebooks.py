@@ -112,13 +112,16 @@ def test_repository_notebooks_are_in_sync_with_the_solutions():
 def test_script_export_drops_error_demos_and_refuses_magics():
     nb = new_notebook(cells=[new_code_cell("a = 1"), new_code_cell("raise ValueError"), new_markdown_cell("x")])
     nb.cells[1].metadata["tags"] = ["raises-exception"]
+    nb.cells.append(new_code_cell("timed = 1"))
+    nb.cells[-1].metadata["tags"] = ["nbval-ignore-output"]
     text = notebooks.script(nb, "demo.ipynb")
-    assert "a = 1" in text and "ValueError" not in text
+    assert "a = 1" in text and "ValueError" not in text and "timed = 1" in text
+    assert "timed = 1" not in notebooks.script(nb, "demo.ipynb", timing=False)
     with pytest.raises(ValueError, match="magic"):
         notebooks.script(new_notebook(cells=[new_code_cell("%time 1")]), "demo.ipynb")
 
 
-TIMING = "nbval-ignore-output"  # the timing cells: they run in the strict run and under torchrun
+TIMING = notebooks.TIMING  # the timing cells: they run in the strict run and in the 4-rank torchrun run
 
 
 def execute(path, skip_timing=False, **env):
@@ -181,8 +184,10 @@ def test_solution_runs_with_the_spawn_start_method_on_two_ranks(name):
 @pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
+    """Every cell as a script under torchrun; the timing cells only in the (slow) 4-rank run."""
     script = tmp_path / name.replace(".ipynb", ".py")
-    assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script)]) == 0
+    timing = [] if nproc == 4 else ["--no-timing"]
+    assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script), *timing]) == 0
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={nproc}", str(script)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -27,6 +27,7 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 DEF = re.compile(r"^(\s*)(?:def|class) (\w+)\b")
 # Cells that demonstrate an error: in a script the first one would end the run.
 SKIP_IN_SCRIPT = "raises-exception"
+TIMING = "nbval-ignore-output"  # the timing cells (their outputs differ run to run)
 
 
 def strip_solutions(source, where="cell"):
@@ -95,12 +96,14 @@ def write_notebooks(root=ROOT):
     return written
 
 
-def script(nb, source_name):
-    """The notebook's code as plain Python, without the cells that demonstrate an error."""
+def script(nb, source_name, timing=True):
+    """The notebook's code as plain Python, without the cells that demonstrate an error (and without the
+    timing cells, if not `timing`)."""
     parts = [f"# Generated from {source_name} by `python -m utils.notebooks --script`.\n"
              f"# Run: torchrun --standalone --nproc_per_node=2 <this file>\n"]
+    skip = {SKIP_IN_SCRIPT} | (set() if timing else {TIMING})
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or SKIP_IN_SCRIPT in cell.metadata.get("tags", []):
+        if cell.cell_type != "code" or skip & set(cell.metadata.get("tags", [])):
             continue
         if any(line.lstrip().startswith(("%", "!")) for line in cell.source.splitlines()):
             raise ValueError(f"{source_name}, cell {i}: IPython magics do not run as a script")
@@ -143,6 +146,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="exit 1 if notebooks/ is out of date")
     parser.add_argument("--script", metavar="NOTEBOOK", help="export NOTEBOOK as a Python script")
     parser.add_argument("-o", "--output", help="where --script writes (default: build/NAME.py)")
+    parser.add_argument("--no-timing", action="store_true", help="with --script: leave out the timing cells")
     parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)  # for tests
     args = parser.parse_args(argv)
     root = args.root.resolve()
@@ -150,7 +154,7 @@ def main(argv=None):
         source = Path(args.script)
         out = Path(args.output) if args.output else root / "build" / (source.stem + ".py")
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(script(nbformat.read(source, as_version=4), source.name))
+        out.write_text(script(nbformat.read(source, as_version=4), source.name, timing=not args.no_timing))
         print(out)
         return 0
     if args.check:
