@@ -1,4 +1,5 @@
-"""Data parallel training (notebook 02): the size rule, the training loop, PyTorch DDP's run of it.
+"""Data parallel training (notebook 02): the size rule, the training loop, its single-process reference,
+PyTorch DDP's run of it, and the step-time and byte measurements.
 
 The loop is the same for every way of synchronizing gradients; what changes is the step:
 
@@ -6,15 +7,29 @@ The loop is the same for every way of synchronizing gradients; what changes is t
     train_data_parallel(rank, world_size, broadcast_parameters, gradient_sync=...)  # sync = gradient_sync(model)
 
 With `gradient_sync`, each step is: forward, backward (the sync's hooks start the all-reduces),
-`sync.finish()` (wait for them), optimizer step.
+`sync.finish()` (wait for them), optimizer step. Every step runs inside `utils.intercept.intercept`,
+whose clock reads (how many gradients are ready, phase): so each all-reduce says when it started
+and when it was waited for, in the backward pass or in finish().
+
+Two models: the course's MLP, and `utils.model.build_awkward_model` (a frozen parameter, one used
+every other forward call, a float32 parameter in a float64 model, a buffer, an embedding).
 """
+import copy
+import dataclasses
+
 import torch
+import torch.distributed as dist
 
-from utils.counting import calls, record_communication
+from utils.bench import interleaved_seconds
+from utils.counting import bytes_written, calls
+from utils.intercept import intercept
+from utils.model import (EACH_RANK_SAME_ROWS, MLP, build_awkward_model, build_mlp, local_batch, loss_fn, make_batch,
+                         make_optimizer)
 from utils.sizes import divide
-from utils.model import EACH_RANK_SAME_ROWS, build_mlp, local_batch, loss_fn, make_batch, make_optimizer
 
-START_SEED_STRIDE = 1000  # rank r starts from build_mlp(seed + 1000 r): every rank differs, rank 0 is the reference
+START_SEED_STRIDE = 1000  # rank r starts from seed + 1000 r: every rank differs, rank 0 is the reference
+MODELS = ("mlp", "awkward")
+BACKWARD, FINISH, AFTER = "in the backward pass", "in finish()", "after finish()"  # the phases of a step
 
 
 def check_sizes(batch_size, world_size, num_micro_batches=1):
@@ -25,84 +40,279 @@ def check_sizes(batch_size, world_size, num_micro_batches=1):
     return local_batch_size
 
 
-def weights(model):
-    return [p.detach().clone() for p in model.parameters()]
+@dataclasses.dataclass
+class Sizes:
+    hidden_dim: int
+    num_layers: int
+    batch_size: int
+    num_steps: int
+    seed: int = 0
+    model: str = "mlp"  # or "awkward"
+
+
+def build_model(sizes, seed, dtype=torch.float64):
+    if sizes.model == "awkward":
+        return build_awkward_model(sizes.hidden_dim, seed, dtype)
+    return build_mlp(sizes.hidden_dim, sizes.num_layers, seed, dtype)
+
+
+def state(model):
+    """Copies of the parameters, then the buffers: what every rank must agree on."""
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+def state_names(model):
+    return [name for name, _ in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def gradients(model):
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+@dataclasses.dataclass
+class DataParallelRun:
+    """What one rank's run holds, step by step. Clock readings are (gradients ready, phase)."""
+
+    start: list           # parameters and buffers after broadcast_parameters
+    grads: list           # by step: the gradients the optimizer saw (None where a parameter had none)
+    weights: list         # parameters and buffers at the end
+    losses: list          # this rank's, by step
+    calls: list           # by step: the utils.intercept.Call log
+    ready_at: list        # by step: {parameter index: clock reading when its gradient was ready}
+    error: str = None     # what the code under test raised, if it did (the run stops there)
+
+    def all_reduces(self, step):
+        return calls(self.calls[step], "all_reduce")
+
+
+class StepClock:
+    """How far the step is: how many gradients are ready (counted by hooks registered before the code
+    under test registers its own), and in which phase."""
+
+    def __init__(self, model):
+        self.ready, self.phase, self.ready_at = 0, BACKWARD, {}
+        for i, p in enumerate(model.parameters()):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self.gradient_ready(i))
+
+    def gradient_ready(self, i):
+        self.ready += 1
+        self.ready_at[i] = self()
+
+    def new_step(self):
+        self.ready, self.phase, self.ready_at = 0, BACKWARD, {}
+
+    def __call__(self):
+        return self.ready, self.phase
+
+
+def one_step(model, optimizer, batch, train_step=None, sync=None, clock=None):
+    """train_step(model, optimizer, batch), or forward, backward, sync.finish(), optimizer step."""
+    if sync is None:
+        return train_step(model, optimizer, batch)
+    loss = loss_fn(model(batch))
+    loss.backward()
+    if clock is not None:
+        clock.phase = FINISH
+    sync.finish()
+    if clock is not None:
+        clock.phase = AFTER
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
 
 def train_data_parallel(rank, world_size, broadcast_parameters, train_step=None, gradient_sync=None, *,
-                        hidden_dim, num_layers, batch_size, num_steps, optimizer="sgd", seed=0,
-                        dtype=torch.float64, watch=None):
-    """One rank's run: a different random start on every rank, rank 0's broadcast, then `num_steps` steps.
+                        sizes, optimizer="sgd", dtype=torch.float64, keep_errors=False):
+    """One rank's run: a different random start on every rank, rank 0's broadcast, then the steps.
 
-    Returns a dict: `start` (the weights after broadcast_parameters), `grads` (the gradients the
-    optimizer saw at step 0), `weights` (at the end), `losses` (this rank's, by step) and
-    `all_reduces` (how many dist.all_reduce calls each step made). `watch(model, optimizer)`, if
-    given, runs before `gradient_sync(model)`: a check's own hooks go first.
-    """
-    check_sizes(batch_size, world_size)
-    model = build_mlp(hidden_dim, num_layers, seed + START_SEED_STRIDE * rank, dtype)
-    broadcast_parameters(model)
-    run = {"start": weights(model), "grads": None, "losses": [], "all_reduces": []}
-    opt = make_optimizer(model.parameters(), optimizer)
-
-    def keep_first_gradients(opt, args, kwargs):
-        if run["grads"] is None:
-            run["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-
-    opt.register_step_pre_hook(keep_first_gradients)
-    if watch is not None:
-        watch(model, opt)
-    sync = gradient_sync(model) if gradient_sync is not None else None
-    for step in range(num_steps):
-        batch = local_batch(make_batch(batch_size, hidden_dim, seed, step, dtype), rank, world_size)
-        with record_communication() as log:
-            if sync is None:
-                loss = train_step(model, opt, batch)
-            else:
-                loss = loss_fn(model(batch))
-                loss.backward()
-                sync.finish()
-                opt.step()
-                opt.zero_grad()
-        run["losses"].append(None if loss is None else loss.item())
-        run["all_reduces"].append(calls(log, "all_reduce"))
-    run["weights"] = weights(model)
+    A check's own hooks (the clock's) are registered before `gradient_sync(model)` registers its own.
+    With `keep_errors` (the checks), an exception from the code under test ends the run and is returned
+    in `error`, with what happened before it, so that the check can explain it; an exercise not written
+    yet (NotImplementedError) is raised as it is."""
+    check_sizes(sizes.batch_size, world_size)
+    model = build_model(sizes, sizes.seed + START_SEED_STRIDE * rank, dtype)
+    run = DataParallelRun(None, [], None, [], [], [])
+    try:
+        broadcast_parameters(model)
+        run.start = state(model)
+        opt = make_optimizer(model.parameters(), optimizer)
+        opt.register_step_pre_hook(lambda *_: run.grads.append(gradients(model)))
+        clock = StepClock(model)
+        sync = gradient_sync(model) if gradient_sync is not None else None
+        for step in range(sizes.num_steps):
+            batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank,
+                                world_size)
+            clock.new_step()
+            with intercept(clock=clock) as log:
+                run.calls.append(log)
+                run.ready_at.append(clock.ready_at)
+                loss = one_step(model, opt, batch, train_step, sync, clock)
+            run.losses.append(None if loss is None else loss.item())
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 (reported by the check, after what it saw before)
+        if not keep_errors:
+            raise
+        run.error = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(".")  # one line
+    run.weights = state(model)
     return run
 
 
-def train_pytorch_ddp(rank, world_size, *, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches=1,
-                      optimizer="sgd", seed=0, dtype=torch.float64):
+def micro_batches(batch, world_size, num_micro_batches, ranks):
+    """Micro-batch k of a step, for each k: micro-batch k of each rank in `ranks`, together."""
+    slices = [local_batch(batch, r, world_size).chunk(num_micro_batches) for r in ranks]
+    return [torch.cat([s[k] for s in slices]) for k in range(num_micro_batches)]
+
+
+@dataclasses.dataclass
+class ReferenceRun:
+    start: list    # rank 0's parameters and buffers
+    grads: list    # by step: the whole batch's gradients
+    local: list    # by step, by rank: that rank's own gradients (its slice alone)
+    weights: list  # parameters and buffers at the end
+    names: list    # of the parameters and buffers
+
+    @property
+    def mixed_dtypes(self):
+        """A float32 parameter in a float64 model: after step 0 every value carries float32 rounding."""
+        return len({t.dtype for t in self.start}) > 1
+
+
+def accumulate(model, batches):
+    """Gradients of the mean of the batches' losses (each batch's loss weighted 1 / len(batches))."""
+    model.zero_grad()
+    for micro_batch in batches:
+        (loss_fn(model(micro_batch)) / len(batches)).backward()
+    return gradients(model)
+
+
+def train_reference_run(sizes, world_size, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
+    """One process on the whole batch, making the same forward calls as each rank (micro-batch k of the
+    step is micro-batch k of every rank together): the run every rank must reproduce."""
+    model = build_model(sizes, sizes.seed, dtype)
+    opt = make_optimizer(model.parameters(), optimizer)
+    run = ReferenceRun(state(model), [], [], None, state_names(model))
+    for step in range(sizes.num_steps):
+        batch = make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype)
+        run.local.append([accumulate(copy.deepcopy(model), micro_batches(batch, world_size, num_micro_batches, [r]))
+                          for r in range(world_size)])
+        run.grads.append(accumulate(model, micro_batches(batch, world_size, num_micro_batches, range(world_size))))
+        opt.step()
+        opt.zero_grad()
+    run.weights = state(model)
+    return run
+
+
+def train_pytorch_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
     """The same run with torch.nn.parallel.DistributedDataParallel (no_sync for all but the last micro-batch)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    check_sizes(batch_size, world_size, num_micro_batches)
-    model = DDP(build_mlp(hidden_dim, num_layers, seed + START_SEED_STRIDE * rank, dtype))  # broadcasts rank 0's
+    check_sizes(sizes.batch_size, world_size, num_micro_batches)
+    model = DDP(build_model(sizes, sizes.seed + START_SEED_STRIDE * rank, dtype))  # broadcasts rank 0's
     opt = make_optimizer(model.parameters(), optimizer)
-    for step in range(num_steps):
-        micro_batches = local_batch(make_batch(batch_size, hidden_dim, seed, step, dtype), rank, world_size)
-        micro_batches = micro_batches.chunk(num_micro_batches)
-        for i, micro_batch in enumerate(micro_batches):
-            if i < len(micro_batches) - 1:
+    for step in range(sizes.num_steps):
+        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank, world_size)
+        chunks = batch.chunk(num_micro_batches)
+        for i, micro_batch in enumerate(chunks):
+            if i < len(chunks) - 1:
                 with model.no_sync():
                     (loss_fn(model(micro_batch)) / num_micro_batches).backward()
             else:
                 (loss_fn(model(micro_batch)) / num_micro_batches).backward()
         opt.step()
         opt.zero_grad()
-    return {"weights": weights(model.module)}
+    return state(model.module)
 
 
-def expected_buckets(param_bytes, bucket_size_mb):
-    """Greedy buckets over the parameters in reverse order: [[parameter indices], ...], each at most
-    bucket_size_mb * 2**20 bytes unless one parameter alone is larger."""
+def expected_buckets(params, bucket_size_mb):
+    """The buckets of notebook 02's rule: [[parameter indices], ...] in the order they are made.
+
+    Parameters that require a gradient, in reverse order; one open bucket per dtype; a parameter joins
+    its dtype's open bucket if that stays within bucket_size_mb * 2**20 bytes, else it opens a new one."""
     cap = bucket_size_mb * 2**20
-    buckets, size = [], 0
-    for i in reversed(range(len(param_bytes))):
-        if buckets and size + param_bytes[i] <= cap:
-            buckets[-1].append(i)
-            size += param_bytes[i]
+    buckets, open_bucket = [], {}  # dtype -> (index into buckets, bytes so far)
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if not p.requires_grad:
+            continue
+        nbytes = p.numel() * p.element_size()
+        b, size = open_bucket.get(p.dtype, (None, 0))
+        if b is not None and size + nbytes <= cap:
+            buckets[b].append(i)
+            open_bucket[p.dtype] = (b, size + nbytes)
         else:
             buckets.append([i])
-            size = param_bytes[i]
+            open_bucket[p.dtype] = (len(buckets) - 1, nbytes)
     return buckets
 
+
+def pytorch_ddp_bucket_bytes(rank, world_size, sizes, bucket_caps_mb, num_steps=3, dtype=torch.float32):
+    """{bucket_cap_mb: the bytes of PyTorch DDP's buckets after each step}, each list in the order the buckets
+    are all-reduced (None: DDP's default cap). DDP starts with one assignment and rebuilds it once, from
+    the order in which the gradients arrived."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with torch.device("meta"):  # the buckets depend on the parameters' sizes, not their values: zeros are cheap
+        shape = MLP(sizes.hidden_dim, sizes.num_layers)
+    found = {}
+    for cap in bucket_caps_mb:
+        zeros = copy.deepcopy(shape).to_empty(device="cpu").to(dtype)
+        with torch.no_grad():
+            for p in zeros.parameters():
+                p.zero_()
+        model = DDP(zeros, **({} if cap is None else {"bucket_cap_mb": cap}))
+        found[cap] = []
+        for step in range(num_steps):
+            batch = make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype)
+            loss_fn(model(local_batch(batch, rank, world_size))).backward()
+            logged = model._get_ddp_logging_data()
+            now = logged.get("rebuilt_bucket_sizes") or logged["bucket_sizes"]
+            found[cap].append([int(n) for n in str(now).split(", ")])
+    return found
+
+
+# ---------------------------------------------------------------- measuring: bytes and step time
+
+def make_train_steps(rank, world_size, versions, sizes, bucket_size_mb, dtype=torch.float32):
+    """{name: a function running one training step}: each version of `versions` ({name: dict(train_step=...)
+    or dict(gradient_sync=...)}) and PyTorch DDP (bucket_cap_mb=bucket_size_mb), each on its own model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, dtype), rank, world_size)
+    steps, built = {}, build_model(sizes, sizes.seed, dtype)
+    for name, version in {**versions, "pytorch DDP": {}}.items():
+        model = copy.deepcopy(built)
+        if not version:
+            model = DDP(model, bucket_cap_mb=bucket_size_mb)
+        optimizer = make_optimizer(model.parameters(), "sgd")
+        sync = version["gradient_sync"](model) if "gradient_sync" in version else None
+        train_step = version.get("train_step", lambda m, o, b: one_step(m, o, b, sync=_NoSync()))
+        steps[name] = lambda m=model, o=optimizer, t=train_step, s=sync: one_step(m, o, batch, t, s)
+    return steps
+
+
+class _NoSync:  # PyTorch DDP synchronizes in its own hooks
+    def finish(self):
+        pass
+
+
+def bytes_per_step(rank, world_size, versions, sizes, bucket_size_mb):
+    """{name: bytes this rank wrote to its sockets in one step} (after a first step: DDP sorts its buckets)."""
+    sent = {}
+    for name, step in make_train_steps(rank, world_size, versions, sizes, bucket_size_mb).items():
+        step()
+        dist.barrier()
+        before = bytes_written()
+        step()
+        sent[name] = None if before is None else bytes_written() - before
+    return sent
+
+
+def seconds_per_step(rank, world_size, versions, sizes, bucket_size_mb, repeat=7, warmup=1):
+    """{name: [seconds of each timed step, from the slowest rank]}: the versions timed in turns, `repeat`
+    rounds after `warmup` untimed ones, so that the spread shows next to the median."""
+    steps = make_train_steps(rank, world_size, versions, sizes, bucket_size_mb)
+    interleaved_seconds(steps, repeat=warmup, warmup=0)
+    rounds = [interleaved_seconds(steps, repeat=1, warmup=0) for _ in range(repeat)]
+    return {name: [seconds[name] for seconds in rounds] for name in steps}
