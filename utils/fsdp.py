@@ -1,33 +1,38 @@
-"""ZeRO and FSDP (notebook 05): shards, the training loop, the memory tracker, PyTorch's ZeRO and FSDP2.
+"""ZeRO and FSDP (notebook 05): shards, the sharded layers, the training runs the checks record, PyTorch's versions.
 
-A unit is one layer. Its weight (h x h) is flattened, padded with zeros to a multiple of the world size,
+A unit is one layer. Its weight is flattened, padded with zeros to a multiple of the world size,
 and cut into N equal contiguous shards: rank r keeps shard r. Equal shards are what all-gather and
 reduce-scatter need; the padding (fewer than N elements per unit) is never read back.
 
     flat weight:  [ w_0 w_1 ... w_{h*h-1} 0 0 ]        padded to N * ceil(h*h / N)
     shards:       [ rank 0 | rank 1 | ... | rank N-1 ]
 
+PyTorch's words: `unshard` is the all-gather of a unit, `reshard` (here: `free`) gives its memory
+back; `unpad` drops the padding of a gathered flat buffer.
+
 Every run here is data parallel: rank r trains on its `local_batch` of each step's batch, and the
-gradients are averaged over the ranks, so every version must reproduce `train_reference`.
+gradients are averaged over the ranks, so every version must reproduce the single-process run.
+The memory tracker lives in utils.memory.
 """
 import contextlib
+import dataclasses
 import functools
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-from utils.model import (EACH_RANK_SAME_ROWS, build_mlp, layer_weight, local_batch, loss_fn, make_batch,
-                         make_optimizer)
+from utils.counting import bytes_written
+from utils.memory import MemoryTracker, inner_optimizer
+from utils.model import (EACH_RANK_SAME_ROWS, WEIGHTS, build_awkward_model, build_mlp, generator, layer_weight,
+                         local_batch, loss_fn, make_batch, make_optimizer)
 from utils.sizes import check_int, divide
+from utils.tensor_parallel import local_part
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "gathered")
+ADAMW = make_optimizer([torch.zeros(1)], "adamw").defaults  # the course's AdamW settings
+ADAMW = dict(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"], foreach=False)
 
 
 def check_sizes(batch_size, world_size):
@@ -54,28 +59,77 @@ def shard(tensor, rank, world_size):
     return flat_padded(tensor, world_size).chunk(world_size)[rank].clone()
 
 
-def unshard(flat, shape):
+def unpad(flat, shape):
     """The unit from its gathered, padded flat form: drop the padding, restore the shape (a view)."""
     return flat[:math.prod(shape)].view(shape)
 
 
 def free(tensor):
-    """Give a gathered tensor's memory back now, as FSDP does: its storage shrinks to 0 bytes, whoever still
-    refers to it (a view, the layer, the communication library). The tensor must not be read afterwards."""
+    """Give a gathered tensor's memory back now, as FSDP's reshard does: its storage shrinks to 0 bytes,
+    whoever still refers to it (a view, the layer, the communication library). Do not read it afterwards."""
     tensor.untyped_storage().resize_(0)
 
 
 def gather_shards(shards_by_rank, shapes):
     """Full weights from every rank's shards (in the parent process, for the checks)."""
-    return [unshard(torch.cat([shards[i] for shards in shards_by_rank]), shape) for i, shape in enumerate(shapes)]
+    return [unpad(torch.cat([shards[i] for shards in shards_by_rank]), shape) for i, shape in enumerate(shapes)]
 
 
-def local(t):
-    """A DTensor's local shard; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def reduce_scatter_mean(grad):
+    """This rank's shard of `grad` averaged over the ranks: the library's own, for the embedding unit."""
+    n = dist.get_world_size()
+    flat = flat_padded(grad, n)
+    out = torch.empty(flat.numel() // n, dtype=flat.dtype)
+    dist.reduce_scatter_single(out, flat)
+    return out / n
 
 
-# ---------------------------------------------------------------- the models and the loop
+# ---------------------------------------------------------------- when: the clock a run's calls are stamped with
+
+@dataclasses.dataclass(frozen=True)
+class Moment:
+    """A reading of a run's clock: which step, which phase ("forward", "backward", "optimizer"), which unit
+    the layers asked for last; `tick` orders the readings."""
+
+    tick: int = 0
+    step: int = 0
+    phase: str = "forward"
+    unit: int = None
+
+
+class Timeline:
+    """The clock (utils.intercept's `clock`): the loop and the layers move it on; calling it reads it."""
+
+    def __init__(self):
+        self.now = Moment()
+
+    def __call__(self):
+        return self.now
+
+    def enter(self, **changes):
+        self.now = dataclasses.replace(self.now, tick=self.now.tick + 1, **changes)
+        return self.now
+
+
+@dataclasses.dataclass
+class Use:
+    """A layer asked for unit `unit`'s weight at `asked`; it got the output of the all-gather `call`."""
+
+    unit: int
+    asked: Moment
+    call: object  # a utils.intercept.Call, or None if the weight came from no all-gather seen
+
+
+class Uses(list):
+    """The Use of every gathered weight; `which_gather(storage data_ptr)` says which all-gather filled a
+    buffer (a MemoryTracker's gather_calls.get), looked up when the layer gets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.which_gather = lambda data_ptr: None
+
+
+# ---------------------------------------------------------------- the sharded models
 
 class FSDPLayer(nn.Module):
     """gelu(x @ W.T), W kept only as this rank's shard, `self.shard`: the Parameter the optimizer steps.
@@ -83,7 +137,7 @@ class FSDPLayer(nn.Module):
     `self.gather(phase)` returns the full weight when FSDPLinear asks for it ("forward" or
     "backward"): all-gathered on demand, or taken from a prefetcher. Like FSDP's unsharded parameter,
     the layer keeps the weight it gathered last (`self.gathered`): until FSDPLinear frees it, it holds
-    a whole unit of memory.
+    a whole unit of memory. FSDPLinear is a Linear without bias: the notebook's units are the MLP's layers.
     """
 
     def __init__(self, FSDPLinear, weight, rank, world_size):
@@ -96,29 +150,87 @@ class FSDPLayer(nn.Module):
         return F.gelu(self.FSDPLinear.apply(x, self.shard, self.gather))
 
 
+def sign_rows(x):
+    """Which of 4 rows an input row picks: the signs of its first two features."""
+    return (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+
+
+class SignEmbedding(nn.Module):
+    """x + E[sign_rows(x)]: an embedding-like unit. Its backward needs no weight, only the rows picked."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, x):
+        return x + self.weight[sign_rows(x)]
+
+
+class _ShardedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard_, gather):
+        weight = gather("forward")
+        rows = sign_rows(x)
+        out = x + weight[rows]
+        free(weight)
+        ctx.save_for_backward(rows)
+        ctx.shape = weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # no gather: the weight's gradient is the rows' sums of grad_out
+        (rows,) = ctx.saved_tensors
+        grad_weight = grad_out.new_zeros(ctx.shape).index_add_(0, rows, grad_out)
+        return grad_out, reduce_scatter_mean(grad_weight), None
+
+
+class FSDPEmbedding(FSDPLayer):
+    """SignEmbedding, sharded: gathered in forward only (the unit a Prefetcher may prefetch in vain)."""
+
+    def forward(self, x):
+        return _ShardedEmbedding.apply(x, self.shard, self.gather)
+
+
+def embedding_weight(hidden_dim, seed, dtype=torch.float64):
+    w = torch.randn(4, hidden_dim, generator=generator(seed, WEIGHTS, 2000), dtype=torch.float64)
+    return w.to(dtype)
+
+
+def build_embedded_mlp(hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """The single-process model of `build_fsdp_mlp(..., embedding=True)`: SignEmbedding, then the MLP."""
+    return nn.Sequential(SignEmbedding(embedding_weight(hidden_dim, seed, dtype)),
+                         *build_mlp(hidden_dim, num_layers, seed, dtype).layers)
+
+
 def build_fsdp_mlp(FSDPLinear, all_gather_unit, rank, world_size, hidden_dim, num_layers, seed=0,
-                   dtype=torch.float64, prefetcher=None):
-    """The course's MLP, sharded: layer i keeps its shard; it gathers with all_gather_unit(shard, shape),
-    or, given `prefetcher(shards, shapes)` (e.g. a Prefetcher with its cap bound), through its get(i, phase)."""
-    layers = nn.ModuleList(FSDPLayer(FSDPLinear, layer_weight(hidden_dim, seed, i, dtype), rank, world_size)
-                           for i in range(check_int("num_layers", num_layers)))
+                   dtype=torch.float64, prefetcher=None, timeline=None, uses=None, embedding=False):
+    """The course's MLP, sharded (with `embedding`: a SignEmbedding unit first). Unit i gathers with
+    all_gather_unit(shard, shape), or, given `prefetcher(shards, shapes)` (a Prefetcher with its cap
+    bound), through its get(i, phase). Each request moves `timeline` on and is noted in `uses`."""
+    units = [FSDPLayer(FSDPLinear, layer_weight(hidden_dim, seed, i, dtype), rank, world_size)
+             for i in range(check_int("num_layers", num_layers))]
+    if embedding:
+        units.insert(0, FSDPEmbedding(FSDPLinear, embedding_weight(hidden_dim, seed, dtype), rank, world_size))
     if prefetcher is not None:
-        gatherer = prefetcher([layer.shard for layer in layers], [layer.shape for layer in layers])
-        gathers = [functools.partial(gatherer.get, i) for i in range(len(layers))]
+        gatherer = prefetcher([unit.shard for unit in units], [unit.shape for unit in units])
+        gathers = [functools.partial(gatherer.get, i) for i in range(len(units))]
     else:
-        gathers = [functools.partial(_gather_on_demand, all_gather_unit, layer) for layer in layers]
-    for layer, gather in zip(layers, gathers):
-        layer.gather = functools.partial(_gather_and_keep, layer, gather)
-    return nn.Sequential(*layers)
+        gathers = [functools.partial(_gather_on_demand, all_gather_unit, unit) for unit in units]
+    for i, (unit, gather) in enumerate(zip(units, gathers)):
+        unit.gather = functools.partial(_gather_and_keep, unit, gather, i, timeline or Timeline(), uses)
+    return nn.Sequential(*units)
 
 
-def _gather_on_demand(all_gather_unit, layer, phase):
-    return all_gather_unit(layer.shard.detach(), layer.shape)
+def _gather_on_demand(all_gather_unit, unit, phase):
+    return all_gather_unit(unit.shard.detach(), unit.shape)
 
 
-def _gather_and_keep(layer, gather, phase):
-    layer.gathered = gather(phase)
-    return layer.gathered
+def _gather_and_keep(unit, gather, index, timeline, uses, phase):
+    asked = timeline.enter(phase=phase, unit=index)
+    unit.gathered = gather(phase)
+    if uses is not None:
+        uses.append(Use(index, asked, uses.which_gather(unit.gathered.untyped_storage().data_ptr())))
+    return unit.gathered
 
 
 class DDPAdamW:
@@ -126,50 +238,22 @@ class DDPAdamW:
 
     def __init__(self, params):
         self.params = list(params)
-        self.optimizer = make_optimizer(self.params, "adamw")
+        self.optimizer = torch.optim.AdamW(self.params, **ADAMW)
 
     def step(self):
         for p in self.params:
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         self.optimizer.step()
 
     def zero_grad(self):
         self.optimizer.zero_grad()
 
 
-def train(rank, world_size, model, optimizer, stepped, *, hidden_dim, batch_size, num_steps, seed=0,
-          dtype=torch.float64, watch=None, after_backward=None, track_step=1):
-    """`num_steps` data parallel steps. `stepped`: the tensors the optimizer updates (shards, or whole
-    weights). Returns (their gradients as the first optimizer step saw them, this rank's losses).
+# ---------------------------------------------------------------- PyTorch's own (references for the checks)
 
-    Step `track_step` (the second: AdamW's state exists from the first step on) runs inside the
-    context manager `watch` (e.g. a MemoryTracker), and calls `after_backward()` between its backward
-    and its optimizer step."""
-    check_sizes(batch_size, world_size)
-    first_grads, losses = None, []
-
-    def keep_first_gradients(opt, args, kwargs):
-        nonlocal first_grads
-        if first_grads is None:
-            first_grads = [None if p.grad is None else local(p.grad).detach().clone() for p in stepped]
-
-    handle = getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(keep_first_gradients)
-    for step in range(num_steps):
-        watched = step == track_step
-        with watch if watch is not None and watched else contextlib.nullcontext():
-            loss = loss_fn(model(local_batch(make_batch(batch_size, hidden_dim, seed, step, dtype), rank, world_size)))
-            loss.backward()
-            if after_backward is not None and watched:
-                after_backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
-    handle.remove()
-    return first_grads, losses
-
-
-def build_fsdp2_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+def pytorch_fsdp2_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
     """The course's MLP under PyTorch's FSDP2: fully_shard on each layer, then on the root, CPU device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -181,204 +265,193 @@ def build_fsdp2_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.floa
     return fully_shard(model, mesh=mesh)
 
 
-def zero_redundancy_optimizer(params):
+def pytorch_zero_redundancy_optimizer(params):
     """PyTorch's ZeRO-1 (whole parameters assigned to ranks) around the course's AdamW; gradients averaged first."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     class AveragingZero(ZeroRedundancyOptimizer):
         def step(self, closure=None):
             for p in self._all_params:
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
             return super().step(closure)
 
-    defaults = make_optimizer([torch.zeros(1)], "adamw").defaults  # the course's hyperparameters
-    return AveragingZero(params, torch.optim.AdamW, lr=defaults["lr"], weight_decay=defaults["weight_decay"],
-                         foreach=False)
+    return AveragingZero(params, torch.optim.AdamW, **ADAMW)
 
 
-KINDS = ("ddp", "zero1", "zero2", "fsdp", "zero-pytorch", "fsdp2")
+# ---------------------------------------------------------------- the runs the checks record
+
+VERSIONS = ("ddp", "zero1", "zero2", "fsdp", "zero-pytorch", "fsdp2")
+PYTORCH = ("zero-pytorch", "fsdp2")  # references: the checks compare their weights only
+MODELS = ("mlp", "awkward", "embedded")
 
 
-def build(kind, impl, rank, world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64, cap=None):
-    """(model, optimizer, the tensors it steps, this rank's parameters: the whole weights and/or its shards).
+@dataclasses.dataclass
+class Student:
+    """The notebook's code a run uses (None where a version does not need it)."""
 
-    `impl`: the notebook's classes and functions by name (Zero1AdamW, Zero2AdamW, FSDPLinear,
-    all_gather_unit, Prefetcher). FSDP prefetches through impl["Prefetcher"] when `cap` is not None."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind == "fsdp":
-        prefetcher = None if cap is None else functools.partial(impl["Prefetcher"], cap=cap)
-        model = build_fsdp_mlp(impl["FSDPLinear"], impl.get("all_gather_unit"), rank, world_size, hidden_dim,
-                               num_layers, seed, dtype, prefetcher)
-    elif kind == "fsdp2":
-        model = build_fsdp2_mlp(world_size, hidden_dim, num_layers, seed, dtype)
+    Zero1AdamW: type = None
+    Zero2AdamW: type = None
+    FSDPLinear: type = None
+    all_gather_unit: object = None
+    Prefetcher: type = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One training run: which version, on which model; `cap`: FSDP prefetches through the Prefetcher."""
+
+    version: str
+    model: str = "mlp"
+    cap: int = None
+    dtype: torch.dtype = torch.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    hidden_dim: int
+    num_layers: int
+    batch_size: int
+    num_steps: int
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Built:
+    """A model ready to train: `optimized` are the tensors the optimizer steps (shards, or whole weights),
+    `held` every parameter tensor the rank keeps (what the memory tracker counts as parameters)."""
+
+    model: nn.Module
+    optimizer: object
+    optimized: list
+    held: list
+    timeline: Timeline
+    uses: list
+
+
+def build_version(job, student, rank, world_size, sizes):
+    """The model and optimizer of `job` on this rank (see Built)."""
+    if job.version not in VERSIONS or job.model not in MODELS:
+        raise ValueError(f"a job is one of {VERSIONS} on one of {MODELS}, got {job}")
+    h, layers, seed, timeline, uses = sizes.hidden_dim, sizes.num_layers, sizes.seed, Timeline(), Uses()
+    if job.version == "fsdp":
+        prefetcher = None if job.cap is None else functools.partial(student.Prefetcher, cap=job.cap)
+        model = build_fsdp_mlp(student.FSDPLinear, student.all_gather_unit, rank, world_size, h, layers, seed,
+                               job.dtype, prefetcher, timeline, uses, embedding=job.model == "embedded")
+    elif job.version == "fsdp2":
+        model = pytorch_fsdp2_mlp(world_size, h, layers, seed, job.dtype)
+    elif job.model == "awkward":
+        model = build_awkward_model(h, seed, job.dtype)
     else:
-        model = build_mlp(hidden_dim, num_layers, seed, dtype)
-    if kind in ("fsdp", "fsdp2"):
-        optimizer = make_optimizer(model.parameters(), "adamw")
-        return model, optimizer, list(model.parameters()), list(model.parameters())
-    if kind == "zero-pytorch":
-        optimizer = zero_redundancy_optimizer(model.parameters())
-        return model, optimizer, list(model.parameters()), list(model.parameters())
-    optimizer = {"ddp": DDPAdamW, "zero1": impl.get("Zero1AdamW"), "zero2": impl.get("Zero2AdamW")}[kind](
-        model.parameters())
-    stepped = list(getattr(optimizer, "shards", model.parameters()))
-    return model, optimizer, stepped, list(model.parameters()) + (stepped if kind != "ddp" else [])
+        model = build_mlp(h, layers, seed, job.dtype)
+    params = list(model.parameters())
+    if job.version in ("fsdp", "fsdp2"):
+        return Built(model, torch.optim.AdamW(params, **ADAMW), params, params, timeline, uses)
+    if job.version == "zero-pytorch":
+        return Built(model, pytorch_zero_redundancy_optimizer(params), params, params, timeline, uses)
+    if job.version == "ddp":
+        return Built(model, DDPAdamW(params), params, params, timeline, uses)
+    ZeRO = student.Zero1AdamW if job.version == "zero1" else student.Zero2AdamW
+    optimizer = ZeRO(params, torch.optim.AdamW, **ADAMW)
+    return Built(model, optimizer, list(optimizer.shards), params + list(optimizer.shards), timeline, uses)
 
 
-def run(rank, world_size, kind, impl, *, hidden_dim, num_layers, batch_size, num_steps, seed=0,
-        dtype=torch.float64, cap=None):
-    """One training run of `kind`, watched: its final weights (whole, or this rank's shards for FSDP), the
-    gradients its optimizer saw first, the model state at the peak of step 1 and right after its backward,
-    the gathered units alive at most, and the collectives step 1 called."""
-    model, optimizer, stepped, params = build(kind, impl, rank, world_size, hidden_dim, num_layers, seed, dtype, cap)
-    tracker = MemoryTracker(lambda: params, optimizer)
-    after = {}
+@dataclasses.dataclass
+class Run:
+    """What one training run leaves on one rank. Memory and calls are measured over the whole run; the
+    tracked step (the second: AdamW's state exists from the first on) is where `after_backward` is read."""
 
-    def after_backward():
-        after["state"] = tracker.now()[0]
-        after["whole gradients"] = sum(p.grad is not None for p in model.parameters())
-
-    first_grads, losses = train(rank, world_size, model, optimizer, stepped, hidden_dim=hidden_dim,
-                                batch_size=batch_size, num_steps=num_steps, seed=seed, dtype=dtype,
-                                watch=tracker, after_backward=after_backward)
-    if kind == "fsdp2":
-        weights = [p.full_tensor().detach().clone() for p in model.parameters()]
-    else:  # FSDP: this rank's shards
-        weights = [p.detach().clone() for p in model.parameters()]
-    return dict(weights=weights, first_grads=first_grads, losses=losses, peak=tracker.peak,
-                max_units=tracker.max_units, after_backward=after, calls=tracker.calls)
+    weights: list  # at the end: every parameter (whole weights), or this rank's shards (FSDP)
+    first_grads: list  # the .grad of each tensor the optimizer steps, as its first step saw them
+    losses: list
+    peak: dict  # {group: bytes} at the moment of the highest total
+    units_by_phase: dict  # {(step, phase): the most gathered buffers alive at once}, in the order they ran
+    after_backward: dict  # {group: bytes} right after the tracked step's backward
+    whole_gradients: int  # whole weights still holding a .grad then
+    calls: list  # utils.intercept.Call of the tracked step, stamped with Moments
+    uses: list  # Use of every gathered weight (FSDP)
 
 
-# ---------------------------------------------------------------- memory you can see
+def train_and_record(rank, world_size, job, student, sizes, track_step=1):
+    """Train `job` for sizes.num_steps data parallel steps under a MemoryTracker; what it did (a Run)."""
+    check_sizes(sizes.batch_size, world_size)
+    built = build_version(job, student, rank, world_size, sizes)
+    tracker = MemoryTracker(lambda: built.held, built.optimizer, clock=built.timeline,
+                            phase=lambda: (built.timeline().step, built.timeline().phase))
+    built.uses.which_gather = tracker.gather_calls.get
+    first_grads, losses, after = [], [], {}
 
-class MemoryTracker:
-    """The peak, over a stretch of code, of the model state this rank holds, measured from live tensors.
+    def keep_first_gradients(*args):
+        if not first_grads:
+            first_grads.extend(_grads(built.optimized))
 
-    At every operation (a TorchDispatchMode) and at every collective it adds up the bytes of the
-    distinct storages alive in four groups:
-      parameters       the tensors in `params()` (the shards, or the whole weights)
-      gradients        their .grad, and the input of a reduce-scatter while it runs
-      optimizer state  every tensor in the optimizer's state
-      gathered         the outputs of all-gathers not yet freed (finished or still in flight)
-    A storage counts while anything at all refers to it (a local variable, a view, ctx, a list) and it
-    has not been freed (`free`: its storage resized to 0 bytes), so a gathered unit that is never freed
-    keeps counting. Use as `with tracker:`; read `peak` (bytes by
-    group at the moment of the highest total), `max_units` (the most gathered storages alive at once)
-    and `calls` (the collectives called, by name).
-    """
-
-    def __init__(self, params, optimizer):
-        # the torch optimizer inside: ours keep it as .optimizer, PyTorch's ZeroRedundancyOptimizer as .optim
-        self.params = params
-        self.optimizer = getattr(optimizer, "optimizer", getattr(optimizer, "optim", optimizer))
-        self.gathered, self.reducing, self.calls = [], [], []
-        self.peak, self.max_units = None, 0
-
-    def _storages(self):
-        groups = {name: [] for name in CATEGORIES}
-        for p in self.params():
-            groups["parameters"].append(local(p).untyped_storage())
-            if p.grad is not None:
-                groups["gradients"].append(local(p.grad).untyped_storage())
-        groups["gradients"] += self.reducing
-        for state in self.optimizer.state.values():
-            groups["optimizer state"] += [local(v).untyped_storage() for v in state.values()
-                                          if isinstance(v, torch.Tensor)]
-        groups["gathered"] = [s for ref in self.gathered if (s := ref()) is not None]
-        return groups
-
-    def now(self):
-        """{group: bytes} held right now, each storage counted once (a view is its base), and the number of
-        gathered storages alive."""
-        seen, sizes, units = set(), dict.fromkeys(CATEGORIES, 0), 0
-        for name, storages in self._storages().items():
-            for s in storages:
-                if s.nbytes() and s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    sizes[name] += s.nbytes()
-                    units += name == "gathered"
-        return sizes, units
-
-    def sample(self):
-        sizes, units = self.now()
-        self.max_units = max(self.max_units, units)
-        if self.peak is None or sum(sizes.values()) > sum(self.peak.values()):
-            self.peak = sizes
-
-    def _watch(self, name, original):
-        gathers = name.startswith("all_gather")
-
-        @functools.wraps(original)
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            if name == "all_reduce":
-                return original(*args, **kwargs)
-            # all-gathers write their first argument (a tensor or a list); reduce-scatters read their second
-            if gathers:
-                buffers = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list"))
-            else:
-                buffers = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor"))
-            buffers = buffers if isinstance(buffers, (list, tuple)) else [buffers]
-            if gathers:
-                self.gathered += [weakref.ref(t.untyped_storage()) for t in buffers]
-            else:
-                self.reducing = [t.untyped_storage() for t in buffers]
-            self.sample()
-            result = original(*args, **kwargs)
-            self.sample()
-            self.reducing = []  # done reading it (the caller may still hold it: then it counts there)
-            return result
-        return call
-
-    def __enter__(self):
-        names = [n for n in ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
-                             "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(c10d, n)]
-        self._saved = {n: (getattr(c10d, n), getattr(dist, n)) for n in names}
-        for n in names:
-            wrapper = self._watch(n, self._saved[n][0])
-            setattr(c10d, n, wrapper)
-            setattr(dist, n, wrapper)
-        self._mode = _SampleEveryOp(self)
-        self._mode.__enter__()
-        self.sample()
-        return self
-
-    def __exit__(self, *exc):
-        self.sample()
-        self._mode.__exit__(*exc)
-        for n, (in_c10d, in_dist) in self._saved.items():
-            setattr(c10d, n, in_c10d)
-            setattr(dist, n, in_dist)
-        return False
+    hook = inner_optimizer(built.optimizer).register_step_pre_hook(keep_first_gradients)
+    with tracker if job.version not in PYTORCH else contextlib.nullcontext():  # PyTorch's: only the weights
+        for step in range(sizes.num_steps):
+            built.timeline.enter(step=step, phase="forward", unit=None)
+            batch = make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, job.dtype)
+            loss = loss_fn(built.model(local_batch(batch, rank, world_size)))
+            built.timeline.enter(phase="backward", unit=None)
+            loss.backward()
+            if step == track_step and job.version not in PYTORCH:
+                after = dict(state=tracker.now()[0], whole=sum(p.grad is not None for p in built.model.parameters()))
+            built.timeline.enter(phase="optimizer", unit=None)
+            built.optimizer.step()
+            built.optimizer.zero_grad()
+            losses.append(loss.item())
+    hook.remove()
+    weights = [(p.full_tensor() if job.version == "fsdp2" else p).detach().clone() for p in built.model.parameters()]
+    calls = [c for c in tracker.calls if c.started_at.step == track_step]
+    return Run(weights, first_grads, losses, tracker.peak, tracker.units_by_phase, after.get("state"),
+               after.get("whole"), calls, list(built.uses))
 
 
-class _SampleEveryOp(TorchDispatchMode):
-    def __init__(self, tracker):
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.tracker.sample()  # after the op: its output is alive, its inputs too
-        return out
+def _grads(tensors):
+    return [None if p.grad is None else local_part(p.grad).detach().clone() for p in tensors]
 
 
-def model_state_bytes(params, optimizer):
-    """Bytes right now: {group: bytes} of the parameters, their gradients and the optimizer state."""
-    return MemoryTracker(lambda: params, optimizer).now()[0]
+def runs_main(rank, world_size, jobs, student, sizes):
+    """Each job's Run on this rank (the worker the checks spawn)."""
+    return [train_and_record(rank, world_size, job, student, sizes) for job in jobs]
 
 
-def sharded_state_bytes(shard_numels, element_size):
-    """What ZeRO-3 keeps between units: per shard, parameter + gradient + AdamW's two moments
-    (4 x element_size per element), plus AdamW's `step` counter (a 4-byte float32 scalar) per shard."""
-    return {"parameters": element_size * sum(shard_numels), "gradients": element_size * sum(shard_numels),
-            "optimizer state": 2 * element_size * sum(shard_numels) + 4 * len(shard_numels)}
+def bytes_per_step_main(rank, world_size, jobs, student, sizes):
+    """What this rank wrote to its sockets (utils.counting.bytes_written) in one training step of each job, after
+    one step that creates AdamW's state: what gloo really sends, whatever each collective's algorithm."""
+    written = []
+    for job in jobs:
+        built = build_version(job, student, rank, world_size, sizes)
+        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, job.dtype), rank, world_size)
+        for _ in range(2):
+            dist.barrier()
+            start = bytes_written()
+            loss_fn(built.model(batch)).backward()
+            built.optimizer.step()
+            built.optimizer.zero_grad()
+            end = bytes_written()
+        written.append(end - start)
+    return written
 
 
-def formula_bytes(num_params, world_size):
-    """Per-rank model state with Adam in fp32, Psi parameters, N ranks (16 bytes per parameter in all)."""
-    psi, n = num_params, world_size
-    return {"DDP": 16 * psi, "ZeRO-1": 8 * psi + 8 * psi / n, "ZeRO-2": 4 * psi + 12 * psi / n,
-            "FSDP": 16 * psi / n}
+def step_time_and_peak_main(rank, world_size, named_jobs, student, sizes, repeat=3):
+    """{name: (median seconds per step, from the slowest rank; peak model state by group)} for each (name, Job):
+    one step to create AdamW's state, one under a MemoryTracker, then `repeat` timed in turns."""
+    from utils.bench import interleaved_seconds
+
+    steps, peaks = {}, {}
+    for name, job in named_jobs:
+        built = build_version(job, student, rank, world_size, sizes)
+        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, job.dtype), rank, world_size)
+
+        def step(built=built, batch=batch):
+            loss_fn(built.model(batch)).backward()
+            built.optimizer.step()
+            built.optimizer.zero_grad()
+
+        step()
+        with MemoryTracker(lambda held=built.held: held, built.optimizer) as tracker:
+            step()
+        steps[name], peaks[name] = step, tracker.peak
+    seconds = interleaved_seconds(steps, repeat=repeat, warmup=0)
+    return {name: (seconds[name], peaks[name]) for name in steps}

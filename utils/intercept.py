@@ -6,7 +6,7 @@
 
 Every check that needs to know what code under test communicated, how many bytes, whether a
 call was asynchronous and when its handle was waited for, or what memory was alive around a
-collective, uses this module; `utils.counting` (bytes and call counts) and `utils.fsdp.MemoryTracker`
+collective, uses this module; `utils.counting` (bytes and call counts) and `utils.memory.MemoryTracker`
 are built on it. Inside the block, each `torch.distributed` communication function is wrapped, in
 both namespaces user code reaches (`dist.isend` and `distributed_c10d.isend`, which `P2POp` and
 `batch_isend_irecv` use); on leaving the block, even by an exception, the functions that were there

@@ -1,0 +1,157 @@
+"""Memory you can see: the model state a rank holds, measured from the tensors alive (notebook 05).
+
+    tracker = MemoryTracker(lambda: params, optimizer)
+    with tracker:
+        train_step()
+    tracker.peak        # {group: bytes} at the moment of the highest total
+    tracker.max_units   # the most all-gathered buffers alive at once
+    tracker.calls       # the communication calls made (utils.intercept.Call)
+
+At every operation (a TorchDispatchMode) and around every collective (utils.intercept's `before` and
+`after` hooks), it adds up the bytes of the distinct storages alive in four groups:
+  parameters       the tensors in `params()` (shards, or whole weights)
+  gradients        their .grad, and the input of a reduce-scatter while it runs
+  optimizer state  every tensor in the optimizer's state
+  gathered         the outputs of all-gathers not yet freed (finished or still in flight)
+A storage counts while anything at all refers to it (a local variable, a view, ctx, a list) and it
+has not been freed (`utils.fsdp.free`: its storage resized to 0 bytes). Nothing is declared by the
+code under test: a gathered unit that is never freed keeps counting.
+"""
+import dataclasses
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from utils.intercept import intercept
+from utils.tensor_parallel import local_part
+
+GROUPS = ("parameters", "gradients", "optimizer state", "gathered")
+# which argument of a collective holds the buffers it fills (all-gathers) or reads (reduce-scatters)
+GATHER_OUTPUT = {"all_gather": "tensor_list", "all_gather_single": "output_tensor",
+                 "all_gather_into_tensor": "output_tensor"}
+SCATTER_INPUT = {"reduce_scatter": "input_list", "reduce_scatter_single": "input", "reduce_scatter_tensor": "input"}
+
+
+def storages(x):
+    """The storages of a tensor or of a list of tensors."""
+    return [t.untyped_storage() for t in (x if isinstance(x, (list, tuple)) else [x])]
+
+
+def inner_optimizer(optimizer):
+    """The torch optimizer inside: ours keep it as .optimizer, PyTorch's ZeroRedundancyOptimizer as .optim."""
+    return getattr(optimizer, "optimizer", getattr(optimizer, "optim", optimizer))
+
+
+class MemoryTracker:
+    """The peak model state over a stretch of code (see the module's docstring). `phase()`, if given,
+    names the part of the step running now: `units_by_phase[phase]` is the most gathered buffers alive
+    at once in it. `clock` is utils.intercept's: what `Call.started_at` and `Call.waited_at` read."""
+
+    def __init__(self, params, optimizer, phase=None, clock=None):
+        self.params, self.optimizer = params, inner_optimizer(optimizer)
+        self.phase, self.clock = phase, clock
+        self.gathered, self.reducing, self.calls = [], [], []
+        self.gather_calls = {}  # storage data_ptr -> the Call of the all-gather that filled it last
+        self.peak, self.max_units, self.units_by_phase = None, 0, {}
+
+    def _storages(self):
+        groups = {name: [] for name in GROUPS}
+        for p in self.params():
+            groups["parameters"].append(local_part(p).untyped_storage())
+            if p.grad is not None:
+                groups["gradients"].append(local_part(p.grad).untyped_storage())
+        groups["gradients"] += self.reducing
+        for state in self.optimizer.state.values():
+            groups["optimizer state"] += [local_part(v).untyped_storage() for v in state.values()
+                                          if isinstance(v, torch.Tensor)]
+        groups["gathered"] = [s for ref in self.gathered if (s := ref()) is not None]
+        return groups
+
+    def now(self):
+        """({group: bytes} held right now, each storage counted once (a view is its base), the number of
+        gathered storages alive)."""
+        seen, sizes, units = set(), dict.fromkeys(GROUPS, 0), 0
+        for name, group in self._storages().items():
+            for s in group:
+                if s.nbytes() and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    sizes[name] += s.nbytes()
+                    units += name == "gathered"
+        return sizes, units
+
+    def sample(self):
+        sizes, units = self.now()
+        self.max_units = max(self.max_units, units)
+        if self.phase is not None:
+            phase = self.phase()
+            self.units_by_phase[phase] = max(self.units_by_phase.get(phase, 0), units)
+        if self.peak is None or sum(sizes.values()) > sum(self.peak.values()):
+            self.peak = sizes
+
+    def _before(self, call, arguments):
+        if call.name in GATHER_OUTPUT:
+            outputs = storages(arguments[GATHER_OUTPUT[call.name]])
+            self.gathered += [weakref.ref(s) for s in outputs]
+            self.gather_calls.update((s.data_ptr(), call) for s in outputs)
+        elif call.name in SCATTER_INPUT:
+            self.reducing = storages(arguments[SCATTER_INPUT[call.name]])
+        self.sample()
+
+    def _after(self, call, arguments):
+        self.sample()
+        self.reducing = []  # done reading it (the caller may still hold it: then it counts there)
+
+    def __enter__(self):
+        self._intercepting = intercept(before=self._before, after=self._after, clock=self.clock)
+        self.calls = self._intercepting.__enter__()
+        self._mode = _SampleEveryOp(self)
+        self._mode.__enter__()
+        self.sample()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.sample()
+        finally:
+            self._mode.__exit__(*exc)
+            self._intercepting.__exit__(*exc)
+        return False
+
+
+class _SampleEveryOp(TorchDispatchMode):
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracker.sample()  # after the op: its output is alive, its inputs too
+        return out
+
+
+def model_state_bytes(params, optimizer):
+    """Bytes right now: {group: bytes} of the parameters, their gradients and the optimizer state."""
+    return MemoryTracker(lambda: params, optimizer).now()[0]
+
+
+@dataclasses.dataclass
+class Formula:
+    """Per-rank model state in bytes per parameter: a whole-model part and a part divided by N."""
+
+    whole: float
+    sharded: float
+
+    def bytes(self, num_params, world_size):
+        return self.whole * num_params + self.sharded * num_params / world_size
+
+
+# Adam, Psi parameters, N ranks. fp32: 4 param + 4 grad + 8 state. Mixed precision (the ZeRO paper):
+# 2 bf16 param + 2 bf16 grad + 12 fp32 (master weight, momentum, variance).
+FP32 = {"DDP": Formula(16, 0), "ZeRO-1": Formula(8, 8), "ZeRO-2": Formula(4, 12), "FSDP": Formula(0, 16)}
+MIXED = {"DDP": Formula(16, 0), "ZeRO-1": Formula(4, 12), "ZeRO-2": Formula(2, 14), "FSDP": Formula(0, 16)}
+
+
+def formula_bytes(num_params, world_size, formulas=FP32):
+    """{version: bytes per rank} for Psi = num_params parameters on N = world_size ranks."""
+    return {name: f.bytes(num_params, world_size) for name, f in formulas.items()}
