@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from utils import fsdp
-from utils.checks.fsdp import check_fsdp, check_memory, check_prefetch, check_zero1, check_zero2
 from utils.checks import TOLERANCE, max_abs_diff
+from utils.checks.fsdp import check_fsdp, check_memory, check_prefetch, check_zero1, check_zero2
 from utils.launch import spawn
 from utils.memory import formula_bytes
 from utils.model import build_mlp, local_batch, loss_fn, make_batch, train_reference
@@ -225,6 +225,7 @@ def test_zero1_with_the_whole_models_state_fails_the_memory_check_too():
 def tracker_main(rank, world_size):
     """A gathered buffer kept alive counts until freed; torch.distributed is restored even when the block raises."""
     import torch.distributed as dist
+
     from utils.memory import MemoryTracker
     original = dist.all_gather_single
     shard = torch.ones(4)

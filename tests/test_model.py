@@ -6,8 +6,17 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from utils.launch import spawn
-from utils.model import (build_mlp, layer_weight, local_batch, loss_fn, make_batch, make_optimizer, step_batches, train,
-                         train_reference)
+from utils.model import (
+    build_mlp,
+    layer_weight,
+    local_batch,
+    loss_fn,
+    make_batch,
+    make_optimizer,
+    step_batches,
+    train,
+    train_reference,
+)
 
 TOLERANCE = 1e-12  # float64, only the order of additions differs
 

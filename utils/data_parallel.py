@@ -23,8 +23,16 @@ import torch.distributed as dist
 from utils.bench import interleaved_seconds
 from utils.counting import bytes_written, calls
 from utils.intercept import intercept
-from utils.model import (EACH_RANK_SAME_ROWS, MLP, build_awkward_model, build_mlp, local_batch, loss_fn, make_batch,
-                         make_optimizer)
+from utils.model import (
+    EACH_RANK_SAME_ROWS,
+    MLP,
+    build_awkward_model,
+    build_mlp,
+    local_batch,
+    loss_fn,
+    make_batch,
+    make_optimizer,
+)
 from utils.sizes import divide
 
 START_SEED_STRIDE = 1000  # rank r starts from seed + 1000 r: every rank differs, rank 0 is the reference
@@ -202,27 +210,6 @@ def train_reference_run(sizes, world_size, num_micro_batches=1, optimizer="sgd",
         opt.zero_grad()
     run.weights = state(model)
     return run
-
-
-def train_pytorch_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
-    """The same run with torch.nn.parallel.DistributedDataParallel (no_sync for all but the last micro-batch)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    check_sizes(sizes.batch_size, world_size, num_micro_batches)
-    model = DDP(build_model(sizes, sizes.seed + START_SEED_STRIDE * rank, dtype))  # broadcasts rank 0's
-    opt = make_optimizer(model.parameters(), optimizer)
-    for step in range(sizes.num_steps):
-        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank, world_size)
-        chunks = batch.chunk(num_micro_batches)
-        for i, micro_batch in enumerate(chunks):
-            if i < len(chunks) - 1:
-                with model.no_sync():
-                    (loss_fn(model(micro_batch)) / num_micro_batches).backward()
-            else:
-                (loss_fn(model(micro_batch)) / num_micro_batches).backward()
-        opt.step()
-        opt.zero_grad()
-    return state(model.module)
 
 
 def expected_buckets(params, bucket_size_mb):

@@ -24,10 +24,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils import pytorch_reference
 from utils.counting import bytes_written
 from utils.memory import MemoryTracker, inner_optimizer
-from utils.model import (EACH_RANK_SAME_ROWS, WEIGHTS, build_awkward_model, build_mlp, generator, layer_weight,
-                         local_batch, loss_fn, make_batch, make_optimizer)
+from utils.model import (
+    EACH_RANK_SAME_ROWS,
+    WEIGHTS,
+    build_awkward_model,
+    build_mlp,
+    generator,
+    layer_weight,
+    local_batch,
+    loss_fn,
+    make_batch,
+    make_optimizer,
+)
 from utils.sizes import check_int, divide
 from utils.tensor_parallel import local_part
 
@@ -251,35 +262,6 @@ class DDPAdamW:
         self.optimizer.zero_grad()
 
 
-# ---------------------------------------------------------------- PyTorch's own (references for the checks)
-
-def pytorch_fsdp2_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
-    """The course's MLP under PyTorch's FSDP2: fully_shard on each layer, then on the root, CPU device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = build_mlp(hidden_dim, num_layers, seed, dtype)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def pytorch_zero_redundancy_optimizer(params):
-    """PyTorch's ZeRO-1 (whole parameters assigned to ranks) around the course's AdamW; gradients averaged first."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    class AveragingZero(ZeroRedundancyOptimizer):
-        def step(self, closure=None):
-            for p in self._all_params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad /= dist.get_world_size()
-            return super().step(closure)
-
-    return AveragingZero(params, torch.optim.AdamW, **ADAMW)
-
-
 # ---------------------------------------------------------------- the runs the checks record
 
 VERSIONS = ("ddp", "zero1", "zero2", "fsdp", "zero-pytorch", "fsdp2")
@@ -340,7 +322,7 @@ def build_version(job, student, rank, world_size, sizes):
         model = build_fsdp_mlp(student.FSDPLinear, student.all_gather_unit, rank, world_size, h, layers, seed,
                                job.dtype, prefetcher, timeline, uses, embedding=job.model == "embedded")
     elif job.version == "fsdp2":
-        model = pytorch_fsdp2_mlp(world_size, h, layers, seed, job.dtype)
+        model = pytorch_reference.fully_shard_mlp(world_size, h, layers, seed, job.dtype)
     elif job.model == "awkward":
         model = build_awkward_model(h, seed, job.dtype)
     else:
@@ -349,7 +331,8 @@ def build_version(job, student, rank, world_size, sizes):
     if job.version in ("fsdp", "fsdp2"):
         return Built(model, torch.optim.AdamW(params, **ADAMW), params, params, timeline, uses)
     if job.version == "zero-pytorch":
-        return Built(model, pytorch_zero_redundancy_optimizer(params), params, params, timeline, uses)
+        zero = pytorch_reference.zero_redundancy_optimizer(params, torch.optim.AdamW, **ADAMW)
+        return Built(model, zero, params, params, timeline, uses)
     if job.version == "ddp":
         return Built(model, DDPAdamW(params), params, params, timeline, uses)
     ZeRO = student.Zero1AdamW if job.version == "zero1" else student.Zero2AdamW

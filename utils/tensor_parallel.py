@@ -77,25 +77,6 @@ def build_tp_mlp(ColumnParallelLinear, RowParallelLinear, rank, world_size, hidd
     return TensorParallelMLP(layers)
 
 
-def tp_plan(num_layers):
-    """PyTorch's plan for the same pairing: ColwiseParallel on even layers, RowwiseParallel on odd ones."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {f"layers.{i}.linear": ColwiseParallel() if is_column(i) else RowwiseParallel() for i in range(num_layers)}
-
-
-def build_dtensor_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
-    """The course's MLP, parallelized by PyTorch's DTensor tensor parallel on a CPU device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from utils.model import build_mlp
-
-    check_sizes(hidden_dim, world_size, num_layers)
-    mesh = init_device_mesh("cpu", (world_size,))
-    return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tp_plan(num_layers))
-
-
 def local_part(tensor):
     """This rank's part of a tensor: a DTensor's local shard, a plain tensor as it is (None stays None)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor

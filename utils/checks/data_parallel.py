@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from utils import data_parallel as dp
+from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff
 from utils.launch import spawn
 from utils.model import loss_fn
@@ -33,7 +34,7 @@ def _both_models(sizes):
 def _run_main(rank, world_size, jobs):
     """Several training runs in one launch: [(kind, kwargs)], kind 'ours' or 'ddp'."""
     return [dp.train_data_parallel(rank, world_size, **kwargs, keep_errors=True) if kind == "ours" else
-            dp.train_pytorch_ddp(rank, world_size, **kwargs) for kind, kwargs in jobs]
+            pytorch_reference.train_ddp(rank, world_size, **kwargs) for kind, kwargs in jobs]
 
 
 def _launch(world_size, jobs):
@@ -312,7 +313,8 @@ def _check_gradient_sync(name, make_syncs, world_size, sizes, buckets_of):
             for rank, run in enumerate(case_runs):  # first what the sync did (a missing wait may give right values)
                 for step in range(len(run.calls)):
                     where = f"{label}, rank {rank}, step {step}"
-                    check_trace(where, run, step, buckets_of(params, case), nbytes, names, name != "OverlappedGradientSync")
+                    check_trace(where, run, step, buckets_of(params, case), nbytes, names,
+                                name != "OverlappedGradientSync")
             check_errors(label, case_runs, model_sizes)
             check_values(label, case_runs, reference, world_size)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils import pytorch_reference
 from utils import tensor_parallel as tp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.counting import calls, record_communication
@@ -388,8 +389,8 @@ def _tp_mlp_main(rank, world_size, ColumnParallelLinear, RowParallelLinear, hidd
                  num_steps, seed):
     ours = _mlp_run(lambda: tp.build_tp_mlp(ColumnParallelLinear, RowParallelLinear, rank, world_size, hidden_dim,
                                             num_layers, seed), hidden_dim, batch_size, num_steps, seed)
-    dtensor = _mlp_run(lambda: tp.build_dtensor_mlp(world_size, hidden_dim, num_layers, seed), hidden_dim, batch_size,
-                       num_steps, seed)
+    dtensor = _mlp_run(lambda: pytorch_reference.tensor_parallel_mlp(world_size, hidden_dim, num_layers, seed),
+                       hidden_dim, batch_size, num_steps, seed)
     return ours, dtensor
 
 

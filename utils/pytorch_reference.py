@@ -1,0 +1,88 @@
+"""PyTorch's own implementation of what the course builds, in one place: the checks compare with these.
+
+A student who wants to see how PyTorch does it reads it here, a few lines each, on the course's MLP:
+
+    notebook 02  data parallel      DistributedDataParallel, no_sync      train_ddp
+    notebook 03  tensor parallel    DTensor, parallelize_module           tensor_parallel_plan, tensor_parallel_mlp
+    notebook 04  pipeline parallel  torch.distributed.pipelining          (utils.pipeline, for now)
+    notebook 05  ZeRO-1             ZeroRedundancyOptimizer               zero_redundancy_optimizer
+    notebook 05  FSDP               FSDP2 fully_shard                     fully_shard_mlp
+
+All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from utils.model import build_mlp, local_batch, loss_fn, make_batch, make_optimizer
+
+
+def train_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
+    """Notebook 02's run with DistributedDataParallel: it broadcasts rank 0's parameters when built and
+    all-reduces gradients in buckets during backward; no_sync skips that for all but the last micro-batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from utils import data_parallel as dp
+
+    dp.check_sizes(sizes.batch_size, world_size, num_micro_batches)
+    model = DDP(dp.build_model(sizes, sizes.seed + dp.START_SEED_STRIDE * rank, dtype))
+    opt = make_optimizer(model.parameters(), optimizer)
+    for step in range(sizes.num_steps):
+        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank, world_size)
+        chunks = batch.chunk(num_micro_batches)
+        for i, micro_batch in enumerate(chunks):
+            if i < len(chunks) - 1:
+                with model.no_sync():
+                    (loss_fn(model(micro_batch)) / num_micro_batches).backward()
+            else:
+                (loss_fn(model(micro_batch)) / num_micro_batches).backward()
+        opt.step()
+        opt.zero_grad()
+    return dp.state(model.module)
+
+
+def tensor_parallel_plan(num_layers):
+    """Notebook 03's pairing in PyTorch's words: ColwiseParallel on even layers, RowwiseParallel on odd ones."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from utils.tensor_parallel import is_column
+
+    return {f"layers.{i}.linear": ColwiseParallel() if is_column(i) else RowwiseParallel() for i in range(num_layers)}
+
+
+def tensor_parallel_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """The course's MLP, parallelized by DTensor's tensor parallel."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from utils.tensor_parallel import check_sizes
+
+    check_sizes(hidden_dim, world_size, num_layers)
+    mesh = init_device_mesh("cpu", (world_size,))
+    return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tensor_parallel_plan(num_layers))
+
+
+def zero_redundancy_optimizer(params, optimizer_class=torch.optim.AdamW, **defaults):
+    """ZeRO-1 as PyTorch has it: each rank steps the optimizer for its share of the whole parameters, then
+    broadcasts them; its step expects gradients already averaged, so this one all-reduces them first."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class AveragingZero(ZeroRedundancyOptimizer):
+        def step(self, closure=None):
+            for p in self._all_params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            return super().step(closure)
+
+    return AveragingZero(params, optimizer_class, **defaults)
+
+
+def fully_shard_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """The course's MLP under FSDP2: fully_shard on each layer (a unit), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build_mlp(hidden_dim, num_layers, seed, dtype)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
