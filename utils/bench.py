@@ -1,10 +1,13 @@
-"""Timing: medians of repeated runs, bandwidths, the alpha-beta model. Tests never assert on these."""
+"""Timing: medians of repeated runs, bandwidths (by convention and as measured at the sockets), the alpha-beta
+model. Tests never assert on timings."""
 import statistics
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from utils.counting import bytes_written
 
 
 def median_seconds(fn, repeat=5, warmup=1):
@@ -41,18 +44,43 @@ def interleaved_seconds(fns, repeat=5, warmup=1):
     return dict(zip(fns, slowest.tolist()))
 
 
-# nccl-tests conventions: algorithm bandwidth = size / time, where size is the full tensor (the
-# input of all_reduce and reduce_scatter, the output of all_gather); bus bandwidth rescales it to
-# what each rank's link carries, comparable across world sizes and with the hardware's peak.
+# Two ways to turn a time into a link speed, side by side (notebook 01):
+#
+# - the nccl-tests convention: algorithmic bandwidth = S / t, with S the full tensor (the input of all_reduce
+#   and reduce_scatter, the output of all_gather), and bus bandwidth = algbw x BUS_FACTOR, what a
+#   bandwidth-optimal ring sends from each rank, per byte of S. That is what each link carried only when the
+#   library runs that ring: NCCL's reduce-scatter does; gloo's all-reduces and keeps one chunk, so it sends
+#   2(N-1)/N S, and the convention understates what its links carried by half.
+# - the measurement: wire bandwidth = the bytes a rank really wrote to its sockets (bytes_on_the_wire) / t.
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}
 
+# What the textbook algorithm sends from its busiest rank, in units of S (the full tensor; for scatter
+# and gather, the root's whole list): a pipelined chain for broadcast and reduce (each rank forwards S),
+# the ring for all-reduce, reduce-scatter and all-gather, one piece to each other rank for all-to-all,
+# scatter and gather. No algorithm over point-to-point links sends less; switches that reduce in the
+# network (NVIDIA SHARP) do: each rank sends S once and receives the sum once.
+TEXTBOOK_BYTES = {"broadcast": lambda n: 1.0, "reduce": lambda n: 1.0,
+                  "all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                  "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                  "scatter": lambda n: (n - 1) / n, "gather": lambda n: 1 / n}
+
 
 def bus_bandwidth(op, size_bytes, seconds, world_size):
-    """(algorithmic, bus) bandwidth in bytes per second."""
+    """(algorithmic, bus) bandwidth in bytes per second, by the nccl-tests convention."""
     algorithmic = size_bytes / seconds
     return algorithmic, algorithmic * BUS_FACTOR[op](world_size)
+
+
+def bytes_on_the_wire(fn):
+    """Bytes this rank wrote to its sockets during one fn(): what the backend really sent, whatever its
+    algorithm (Linux's /proc/self/io; None elsewhere). Every rank calls it together; fn must print nothing."""
+    dist.barrier()
+    before = bytes_written()
+    fn()
+    after = bytes_written()
+    return None if before is None else after - before
 
 
 def fit_alpha_beta(sizes, seconds):

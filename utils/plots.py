@@ -15,19 +15,28 @@ def _size_axis(ax, sizes):
 
 
 def plot_bandwidth(rows, ceiling=None):
-    """rows: (op, world_size, size_bytes, bus_bytes_per_s). One line per (op, world size)."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for op, world_size in sorted({(r[0], r[1]) for r in rows}):
-        points = sorted((size, bus) for o, n, size, bus in rows if (o, n) == (op, world_size))
-        ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], marker="o",
-                linestyle="-" if world_size == 2 else "--", label=f"{op}, {world_size} ranks")
-    if ceiling:
-        ax.axhline(ceiling / 1e9, color="gray", linestyle=":", label="memory copy (ceiling)")
-    _size_axis(ax, sorted({r[2] for r in rows}))
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("gloo collectives on this machine")
-    ax.legend(fontsize=8)
+    """rows: (op, world_size, size_bytes, bus_bytes_per_s, wire_bytes_per_s). Two log-log panels side by
+    side: bus bandwidth by the nccl-tests convention, and the bytes really written to the sockets per
+    second; one line per (op, world size), the memory-copy ceiling dotted on both."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    colors = {}
+    for panel, (ax, title) in enumerate(zip(axes, ("bus bandwidth (nccl-tests convention)",
+                                                   "measured: bytes sent per rank / time"))):
+        for op, world_size in sorted({(r[0], r[1]) for r in rows}):
+            points = sorted((r[2], r[3 + panel]) for r in rows if (r[0], r[1]) == (op, world_size))
+            line, = ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], marker="o",
+                            color=colors.get(op), linestyle="-" if world_size == 2 else "--",
+                            label=f"{op}, {world_size} ranks")
+            colors[op] = line.get_color()
+        if ceiling:
+            ax.axhline(ceiling / 1e9, color="gray", linestyle=":", label="memory copy (ceiling)")
+        _size_axis(ax, sorted({r[2] for r in rows}))
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size S")
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("GB/s (log scale)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("gloo collectives on this machine", fontsize=11)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
 
 
@@ -48,20 +57,32 @@ def plot_alpha_beta(sizes, seconds, alpha, beta):
 
 
 def plot_step_times(seconds, title):
-    """seconds: {version: median step time}. One bar per version, in the order given."""
+    """seconds: {version: [step times]}. One bar per version, in the order given: the median, with the
+    range of the steps as an error bar, labelled with its ratio to the first version's median."""
+    import statistics
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(list(seconds), [s * 1e3 for s in seconds.values()], color=["gray", "tab:blue", "tab:green", "tab:orange"])
-    ax.set_ylabel("median step time (ms)")
+    ms = [sorted(s * 1e3 for s in times) for times in seconds.values()]
+    medians = [statistics.median(m) for m in ms]
+    spread = [[m - low[0] for m, low in zip(medians, ms)], [high[-1] - m for m, high in zip(medians, ms)]]
+    bars = ax.bar(list(seconds), medians, yerr=spread, capsize=4,
+                  color=["gray", "tab:blue", "tab:green", "tab:orange"][:len(ms)])
+    ax.bar_label(bars, [f"{m / medians[0]:.2f}x" for m in medians], label_type="center", fontsize=8)
+    ax.set_ylabel("step time (ms): median and range")
     ax.set_title(title)
     fig.tight_layout()
 
 
-def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crossover, title):
-    """Bytes each rank sends per step against the batch size: TP grows with it, DP does not."""
+def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crossover, title, measured=None):
+    """Bytes each rank sends per step against the batch size: TP grows with it, DP does not. `measured`: the same two
+    series as written to the sockets, drawn dotted next to the formula's."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(batch_sizes, tensor_parallel, "o-", label="tensor parallel (activations)")
-    ax.plot(batch_sizes, data_parallel, "s--", label="data parallel (gradients)")
-    ax.axvline(crossover, color="gray", linestyle=":", label=f"crossover: batch {crossover:.3g}")
+    ax.plot(batch_sizes, tensor_parallel, "o-", color="tab:blue", label="tensor parallel (activations), ring formula")
+    ax.plot(batch_sizes, data_parallel, "s--", color="tab:orange", label="data parallel (gradients), ring formula")
+    if measured is not None:
+        ax.plot(batch_sizes, measured[0], "o:", color="tab:blue", alpha=0.5, label="tensor parallel, at the sockets")
+        ax.plot(batch_sizes, measured[1], "s:", color="tab:orange", alpha=0.5, label="data parallel, at the sockets")
+    ax.axvline(crossover, color="gray", linestyle=":", label=f"crossover by the formula: batch {crossover:.2f}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
@@ -74,13 +95,14 @@ def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crosso
 
 
 def plot_pipeline_timelines(timelines, title):
-    """timelines: {schedule name: events by stage}, events (kind "F"/"B", micro-batch, start, end) in seconds.
-    One Gantt chart per schedule: stages as rows, forwards blue and backwards orange, labelled by micro-batch."""
+    """timelines: {schedule name: events by stage}, each a utils.pipeline.Event (kind "F"/"B", micro-batch,
+    start, end in seconds). One Gantt chart per schedule: stages as rows, forwards blue and backwards orange,
+    labelled by micro-batch; the gaps between the bars are the idle time."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
                              squeeze=False)
     colors = {"F": "tab:blue", "B": "tab:orange"}
     for ax, (name, events_by_stage) in zip(axes[:, 0], timelines.items()):
-        t0 = min(e[2] for events in events_by_stage for e in events)
+        t0 = min(e.start for events in events_by_stage for e in events)
         for stage, events in enumerate(events_by_stage):
             for kind, micro_batch, start, end in events:
                 ax.barh(stage, (end - start) * 1e3, left=(start - t0) * 1e3, color=colors[kind], edgecolor="white")
@@ -107,7 +129,7 @@ def plot_memory(rows, title):
         ax.bar(names, heights, bottom=bottoms, color=color, label=group)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.scatter(names, [rows[name][1] / 1024 for name in names], marker="_", s=2000, color="black", zorder=3,
-               label="formula (16, 8+8/N, 4+12/N, 16/N bytes per parameter)")
+               label="formula, fp32 Adam (16, 8+8/N, 4+12/N, 16/N bytes per parameter)")
     ax.set_ylabel("model state at the peak of a step (KB, one rank)")
     ax.set_title(title)
     ax.legend(fontsize=8)
