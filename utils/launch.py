@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import importlib
 import io
 import linecache
 import multiprocessing as mp
@@ -65,7 +66,11 @@ import torch.distributed as dist
 
 START_METHOD_ENV = "SPAWN_START_METHOD"
 WARM_ENV = "SPAWN_WARM"
-PRELOAD = ["torch", "torch.distributed", "cloudpickle"]  # what the forkserver imports once; never utils
+# Modules torch imports on first use, seconds' worth: sympy when a module is built on the meta device,
+# torch._dynamo when an optimizer is made. Imported once in the caller (and the forkserver), so that
+# a forked rank does not import them again in every call.
+LAZY_IMPORTS = ("sympy", "torch._dynamo")
+PRELOAD = ["torch", "torch.distributed", "cloudpickle", *LAZY_IMPORTS]  # what the forkserver imports; never utils
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
 STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
@@ -218,6 +223,8 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as e:
         raise TypeError(f"spawn: cannot send fn and its arguments to the ranks: {e}") from e
+    for name in LAZY_IMPORTS:
+        importlib.import_module(name)
     rundir = tempfile.mkdtemp(prefix="spawn-")
     procs, ready = [], []
     try:
@@ -494,8 +501,8 @@ def _innermost_user_frame(text):
     if not text.startswith("main thread"):
         return "still starting up"
     frames = [f for f in _main_thread_frames(text) if f is not None]
-    library = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__),
-               os.path.dirname(cloudpickle.__file__), __file__)
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__), os.path.dirname(cloudpickle.__file__),
+               __file__, os.path.join(os.path.dirname(__file__), "intercept.py"))
     user = [f for f in frames if not f[0].startswith(library)] or frames
     if not user:
         return "no Python stack received (the rank did not answer its stack request)"
