@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import utils
 import utils.launch
-from utils.launch import RankError, resolve_start_method, spawn
+from utils.launch import RankError, resolve_start_method, spawn, threads_per_rank
 
 REPO = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0))
@@ -342,16 +342,30 @@ def _probe_fn():
 
 
 def test_start_method_fork_vs_spawn_end_to_end(monkeypatch):
-    """4: start_method="spawn" and $SPAWN_START_METHOD=spawn really spawn; fork inherits the caller."""
+    """4: start_method="spawn" and $SPAWN_START_METHOD=spawn really spawn; fork inherits the caller (with
+    one thread per rank: as many ranks as cores)."""
     monkeypatch.delenv("SPAWN_START_METHOD", raising=False)
     monkeypatch.setattr(utils, "_probe", 1, raising=False)
-    probe = _probe_fn()
-    assert spawn(probe, 2) == [True, True]  # default: fork, the children inherit utils._probe
-    assert spawn(probe, 2, start_method="fork") == [True, True]
-    assert spawn(probe, 2, start_method="spawn") == [False, False]
+    probe, n = _probe_fn(), max(2, CORES)
+    assert spawn(probe, n) == [True] * n  # default: fork, the children inherit utils._probe
+    assert spawn(probe, n, start_method="fork") == [True] * n
+    assert spawn(probe, n, start_method="spawn") == [False] * n
     monkeypatch.setenv("SPAWN_START_METHOD", "spawn")
-    assert spawn(probe, 2) == [False, False]
-    assert spawn(probe, 2, start_method="fork") == [True, True]  # the argument beats the variable
+    assert spawn(probe, n) == [False] * n
+    assert spawn(probe, n, start_method="fork") == [True] * n  # the argument beats the variable
+
+
+def _parallel_matmul(rank, world_size):
+    b = torch.randn(512, 512)
+    return (b @ b).shape[0], torch.get_num_threads()
+
+
+def test_a_rank_with_several_threads_works_after_the_caller_used_its_thread_pool():
+    """9: GNU OpenMP's thread pool does not survive fork: a single rank (two threads on two cores) forked
+    from a caller that had run a parallel matmul used to hang in its own first one."""
+    a = torch.randn(512, 512)
+    (a @ a).sum()
+    assert spawn(_parallel_matmul, 1, timeout=30) == [(512, threads_per_rank(1))]
 
 
 def test_every_accepted_start_method_works():

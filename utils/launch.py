@@ -101,7 +101,7 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     if backend == "nccl" and start_method is None:
         start_method = "spawn"  # CUDA does not survive fork
-    context = rank_context(resolve_start_method(start_method), warm)
+    context = rank_context(resolve_start_method(start_method), warm, world_size)
     return _run_local(fn, world_size, args, kwargs, backend, timeout, context)
 
 
@@ -149,9 +149,16 @@ def warm_ranks(warm=None):
     return os.environ.get(WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def rank_context(start_method, warm=None):
+def rank_context(start_method, warm=None, world_size=1):
     """The multiprocessing context that starts the ranks: fork; spawn; or, for spawn with warm ranks, a
-    forkserver that has imported torch once (see the module's opening comment)."""
+    forkserver that has imported torch once (see the module's opening comment).
+
+    A forked rank must not use more than one thread: GNU OpenMP's thread pool does not survive fork, and
+    a rank forked from a caller that has used it hangs in its first parallel op. So when each rank gets
+    several threads (fewer ranks than cores), the ranks are not forked from the caller but started like
+    spawned ones: from the warm forkserver (which never runs a parallel op), or fresh."""
+    if start_method == "fork" and threads_per_rank(world_size) > 1:
+        start_method = "spawn"
     if start_method == "spawn" and warm_ranks(warm):
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
