@@ -1,33 +1,41 @@
-"""Pipeline parallel (notebook 04): the stage split, a stage's layers, the training loop, PyTorch's pipelining.
+"""Pipeline parallel (notebook 04): the stage split, a stage's layers, recording a step, the training
+loop, PyTorch's pipelining, and the bubble.
 
 Stage `s` of `p` holds a contiguous run of the course's MLP's layers (`stage_layers`), built from
-`utils.model.layer_weight`: exactly the reference's weights. A schedule is a function
+`utils.model.layer_weight`: exactly the reference's weights. A `Stage` is only its layers. A schedule
+is a function
 
     schedule(stage, batch, num_micro_batches) -> the batch's loss on the last stage, None elsewhere
 
-that runs one step's forwards and backwards on this rank (the student writes it); `train_pipeline`
-runs it for several steps with an optimizer. A `Stage` also records, for the checks and the plots,
-when each forward and backward of each micro-batch ran and how many micro-batches' activations it
-holds at once (`alive`, counted from the tensors autograd saves, not from the schedule's lists).
+that runs one step's forwards and backwards on this rank (the student writes it). What the checks and
+the plots need to know about a step is recorded from outside the stage, by whoever owns the step:
+
+    with pp.record_step(stage) as record:
+        schedule(stage, batch, m)
+    record.events      # Event(kind "F"/"B", micro-batch, start, end): when each forward and backward ran
+    record.calls       # utils.intercept.Call: each send/recv, when it started and when it was waited for
+    record.peak_alive  # micro-batches whose activations autograd held at once
+
+`train_pipeline` runs a schedule for several steps with an optimizer and returns a `PipelineRun`.
 """
+import contextlib
+import dataclasses
 import time
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils.counting import record_communication
-from utils.sizes import check_int, divide
+from utils.intercept import intercept
 from utils.model import Layer, layer_weight, loss_fn, make_batch, make_optimizer
+from utils.sizes import check_int, divide
 
 
 def check_sizes(num_layers, world_size, batch_size, num_micro_batches=1):
     """At least one layer per stage; equal micro-batches. Returns the micro-batch size."""
-    num_layers, world_size = check_int("num_layers", num_layers), check_int("world_size", world_size)
-    if world_size > num_layers:
-        raise ValueError(f"world size {world_size} is more stages than num layers {num_layers}: "
-                         f"every stage needs at least one layer")
+    stage_layers(num_layers, world_size)
     return divide("batch_size", batch_size, "num_micro_batches", num_micro_batches,
                   "each micro-batch must have the same number of rows")
 
@@ -48,12 +56,7 @@ def stage_layers(num_layers, world_size):
 
 
 class Stage(nn.Module):
-    """This rank's layers of the MLP (parameters `layers.{k}.linear.weight`, k counting from 0 on each stage).
-
-    Calling it runs the layers, like the MLP, and records each forward as ("F", micro-batch, start, end);
-    each backward of its output is recorded as ("B", micro-batch, start, end). Micro-batches are numbered
-    in the order of the forwards; `new_step()` starts the numbering again.
-    """
+    """This rank's layers of the MLP (parameters `layers.{k}.linear.weight`, k counting from 0 on each stage)."""
 
     def __init__(self, rank, world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
         super().__init__()
@@ -66,50 +69,77 @@ class Stage(nn.Module):
         with torch.no_grad():
             for layer, i in zip(self.layers, self.layer_indices):
                 layer.linear.weight.copy_(layer_weight(hidden_dim, seed, i, dtype))
-        self.events, self.num_forwards, self.alive, self.peak_alive = [], 0, {}, 0
-        self._backward = None  # (micro-batch, start time) of the backward running now
-        # The first layer's weight gets its gradient last: the end of this stage's backward.
-        self.layers[0].linear.weight.register_post_accumulate_grad_hook(self._backward_done)
-
-    def new_step(self):
-        self.events, self.num_forwards = [], 0
 
     def forward(self, x):
-        micro_batch = self.num_forwards
-        self.num_forwards += 1
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack(micro_batch), _unpack):
-            for layer in self.layers:
-                x = layer(x)
-        self.events.append(("F", micro_batch, start, time.perf_counter()))
-        if x.requires_grad:
-            x.register_hook(lambda grad: self._backward_started(micro_batch))
+        for layer in self.layers:
+            x = layer(x)
         return x
 
-    # What autograd saves for the backward (the layers' inputs, the GELUs' inputs) is packed into a
-    # holder; it dies when the backward frees the graph. A micro-batch is alive while it has holders.
-    def _pack(self, micro_batch):
-        def pack(tensor):
-            holder = _Saved(tensor)
-            self.alive[micro_batch] = self.alive.get(micro_batch, 0) + 1
-            self.peak_alive = max(self.peak_alive, len(self.alive))
-            weakref.finalize(holder, self._release, micro_batch)
-            return holder
-        return pack
 
-    def _release(self, micro_batch):
+def build_stage(rank, world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    return Stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+
+
+# ---------------------------------------------------------------- recording a step, from outside the stage
+
+class Event(NamedTuple):
+    kind: str  # "F" or "B"
+    micro_batch: int  # numbered in the order of this step's forwards
+    start: float  # perf_counter seconds: one clock for every rank on the machine
+    end: float
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one stage did in one step."""
+
+    events: list = dataclasses.field(default_factory=list)  # Event, in the order they ended
+    calls: list = dataclasses.field(default_factory=list)  # utils.intercept.Call, times on the same clock
+    peak_alive: int = 0  # micro-batches whose saved activations were alive at once
+
+
+class _Recorder:
+    """Module and tensor hooks that fill a StepRecord. A forward is timed by the stage's forward hooks;
+    a backward from the gradient reaching the stage's output to the end of that backward call (the
+    input's gradient included). What autograd saves for the backward is packed into
+    a holder that dies when the backward frees the graph: a micro-batch is alive while it has holders."""
+
+    def __init__(self, stage, record, clock):
+        self.stage, self.record, self.clock = stage, record, clock
+        self.num_forwards, self.current, self.alive = 0, None, {}
+        self.forward_start = None
+
+    def hooks(self):
+        return [self.stage.register_forward_pre_hook(self.before_forward),
+                self.stage.register_forward_hook(self.after_forward)]
+
+    def before_forward(self, module, args):
+        self.current, self.forward_start = self.num_forwards, self.clock()
+        self.num_forwards += 1
+
+    def after_forward(self, module, args, output):
+        micro_batch = self.current
+        self.record.events.append(Event("F", micro_batch, self.forward_start, self.clock()))
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.backward_started(micro_batch))
+
+    def backward_started(self, micro_batch):
+        start = self.clock()
+        # runs when autograd has finished this backward call: the input's gradient included
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self.record.events.append(Event("B", micro_batch, start, self.clock())))
+
+    def pack(self, tensor):
+        holder, micro_batch = _Saved(tensor), self.current
+        self.alive[micro_batch] = self.alive.get(micro_batch, 0) + 1
+        self.record.peak_alive = max(self.record.peak_alive, len(self.alive))
+        weakref.finalize(holder, self.release, micro_batch)
+        return holder
+
+    def release(self, micro_batch):
         self.alive[micro_batch] -= 1
         if not self.alive[micro_batch]:
             del self.alive[micro_batch]
-
-    def _backward_started(self, micro_batch):
-        self._backward = (micro_batch, time.perf_counter())
-
-    def _backward_done(self, param):
-        if self._backward is not None:
-            micro_batch, start = self._backward
-            self.events.append(("B", micro_batch, start, time.perf_counter()))
-            self._backward = None
 
 
 class _Saved:
@@ -121,8 +151,40 @@ def _unpack(holder):
     return holder.tensor
 
 
-def build_stage(rank, world_size, hidden_dim, num_layers, seed=0, dtype=torch.float64):
-    return Stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+@contextlib.contextmanager
+def record_step(stage, clock=time.perf_counter):
+    """Record one step of `stage` (see the module's doc); every hook is removed on leaving the block."""
+    record = StepRecord()
+    recorder = _Recorder(stage, record, clock)
+    with contextlib.ExitStack() as stack:
+        record.calls = stack.enter_context(intercept(clock=clock))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack))
+        for handle in recorder.hooks():
+            stack.callback(handle.remove)
+        yield record
+
+
+# ---------------------------------------------------------------- the training loop
+
+@dataclasses.dataclass
+class PipelineRun:
+    """One stage's run of a schedule."""
+
+    weights: list  # this stage's, after the last step
+    grads: list  # step 0's, before the optimizer step (None where a parameter got none)
+    losses: list  # by step; None except on the last stage
+    steps: list  # StepRecord by step
+
+    @property
+    def peak_alive(self):
+        return max(step.peak_alive for step in self.steps)
+
+
+def _as_loss(value):
+    """A returned loss as a float; anything else (None, a whole activation) as it is, for the check to name."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.detach()
+    return value
 
 
 def weights(module):
@@ -130,31 +192,37 @@ def weights(module):
 
 
 def train_pipeline(rank, world_size, schedule, *, hidden_dim, num_layers, batch_size, num_steps,
-                   num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64):
-    """One rank's run of `num_steps` steps of `schedule`. Returns a dict: `weights` (this stage's, at the
-    end), `grads` (step 0's), `losses` (by step; None except on the last stage), `logs` (each step's
-    communication, from utils.counting), `events` (each step's), `peak_alive` (micro-batches)."""
+                   num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64, after_step=None):
+    """One rank's run of `num_steps` steps of `schedule`, each step recorded: a PipelineRun.
+    `after_step(record)`, if given, sees each step's StepRecord on this rank as soon as the step ends."""
     check_sizes(num_layers, world_size, batch_size, num_micro_batches)
     stage = build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
     opt = make_optimizer(stage.parameters(), optimizer)
-    run = {"grads": None, "losses": [], "logs": [], "events": []}
+    run = PipelineRun(weights=[], grads=None, losses=[], steps=[])
     for step in range(num_steps):
         batch = make_batch(batch_size, hidden_dim, seed, step, dtype)  # every stage knows the shapes
-        stage.new_step()
-        with record_communication() as log:
+        with record_step(stage) as record:
             loss = schedule(stage, batch, num_micro_batches)
-        if run["grads"] is None:
-            run["grads"] = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
+        if run.grads is None:
+            run.grads = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
         opt.step()
         opt.zero_grad()
-        run["losses"].append(None if loss is None else float(loss))
-        run["logs"].append(log)
-        run["events"].append(stage.events)
-    run["weights"], run["peak_alive"] = weights(stage), stage.peak_alive
+        run.losses.append(_as_loss(loss))
+        run.steps.append(record)
+        if after_step is not None:
+            after_step(record)
+    run.weights = weights(stage)
     return run
 
 
 # ---------------------------------------------------------------- PyTorch's pipelining, on the same model
+
+@dataclasses.dataclass
+class PytorchRun:
+    weights: list  # this stage's, after the last step
+    losses: list  # by step; None except on the last stage
+    schedule: str  # "gpipe" or "1f1b"
+
 
 def build_pytorch_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,
                            dtype=torch.float64):
@@ -177,7 +245,6 @@ def build_pytorch_schedule(rank, world_size, schedule_name, hidden_dim, num_laye
 
 def pytorch_step(module, schedule, batch):
     """One step's forwards and backwards; returns the batch's loss on the last stage (None elsewhere)."""
-    module.new_step()
     if module.is_first:
         schedule.step(batch)
         return None
@@ -189,7 +256,7 @@ def pytorch_step(module, schedule, batch):
 
 def train_pytorch_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, batch_size, num_steps,
                            num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64):
-    """PyTorch's run of the same training: returns {"weights": this stage's, "losses": by step}."""
+    """PyTorch's run of the same training: a PytorchRun."""
     check_sizes(num_layers, world_size, batch_size, num_micro_batches)
     module, schedule = build_pytorch_schedule(rank, world_size, schedule_name, hidden_dim, num_layers,
                                               num_micro_batches, seed, dtype)
@@ -200,7 +267,7 @@ def train_pytorch_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_l
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
-    return {"weights": weights(module), "losses": losses}
+    return PytorchRun(weights(module), losses, schedule_name)
 
 
 # ---------------------------------------------------------------- bubbles
@@ -213,14 +280,113 @@ def bubble_fraction(num_stages, num_micro_batches):
 def idle_fraction(events_by_stage):
     """1 - (time the stages computed) / (stages x the step's span), from one step's events of every stage."""
     events = [e for stage in events_by_stage for e in stage]
-    span = max(e[3] for e in events) - min(e[2] for e in events)
-    busy = sum(e[3] - e[2] for e in events)
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events)
     return 1 - busy / (len(events_by_stage) * span)
+
+
+def _dependency(events_by_stage, stage, event):
+    """The event on a neighbour that `event` needs: F(i) the previous stage's F(i), B(i) the next stage's B(i)."""
+    neighbour = stage - 1 if event.kind == "F" else stage + 1
+    if not 0 <= neighbour < len(events_by_stage):
+        return None
+    return next((neighbour, k) for k, e in enumerate(events_by_stage[neighbour])
+                if (e.kind, e.micro_batch) == (event.kind, event.micro_batch))
+
+
+def replay(events_by_stage):
+    """The same step with free hand-offs and no time between computations: each event, as long as it
+    was measured, starts as soon as the one before it on its stage and the one it needs on a neighbour
+    have ended. What idle time is left is the schedule's own (unequal stages included)."""
+    events = [sorted(stage, key=lambda e: e.start) for stage in events_by_stage]
+    t0 = min(stage[0].start for stage in events)
+    ends = {}
+
+    def end(stage, k):
+        if (stage, k) not in ends:
+            event, ready = events[stage][k], t0
+            if k:
+                ready = end(stage, k - 1)
+            needed = _dependency(events, stage, event)
+            if needed is not None:
+                ready = max(ready, end(*needed))
+            ends[stage, k] = ready + event.end - event.start
+        return ends[stage, k]
+
+    return [[e._replace(start=end(s, k) - (e.end - e.start), end=end(s, k)) for k, e in enumerate(stage)]
+            for s, stage in enumerate(events)]
+
+
+def hand_off_delays(events_by_stage):
+    """For each hand-off a stage was waiting for (its previous event had ended before the neighbour's
+    event it needs): seconds from the neighbour's event's end to this event's start."""
+    events = [sorted(stage, key=lambda e: e.start) for stage in events_by_stage]
+    delays = []
+    for s, stage in enumerate(events):
+        for k, event in enumerate(stage):
+            needed = _dependency(events, s, event)
+            if needed is None:
+                continue
+            produced = events[needed[0]][needed[1]].end
+            if k == 0 or stage[k - 1].end < produced:
+                delays.append(event.start - produced)
+    return delays
+
+
+@dataclasses.dataclass
+class IdleShares:
+    """Where a step's idle time went, as shares of (stages x the step's span); they add up to idle_fraction."""
+
+    neighbour_computing: float  # waiting while the neighbour computed what this stage needs: the schedule's bubble
+    hand_off: float  # from the neighbour's end to this stage's start: the message, and getting back to work
+    in_send: float  # inside a blocking send between two computations (gloo's returns once the receiver takes it)
+    other: float  # between two computations with nothing to wait for: Python, posting messages, the loss
+
+
+def idle_shares(records_by_stage):
+    """Split each stage's idle time, gap by gap, from one step's StepRecords of every stage."""
+    events = [sorted(r.events, key=lambda e: e.start) for r in records_by_stage]
+    t0, t1 = min(s[0].start for s in events), max(e.end for s in events for e in s)
+    total = [0.0] * 4
+    for s, (stage, record) in enumerate(zip(events, records_by_stage)):
+        total[0] += t1 - stage[-1].end  # after its last event: the others still computing
+        for k, event in enumerate(stage):
+            gap_start = stage[k - 1].end if k else t0
+            needed = _dependency(events, s, event)
+            produced = events[needed[0]][needed[1]].end if needed else gap_start
+            waited = min(max(produced - gap_start, 0.0), event.start - gap_start)
+            free = event.start - gap_start - waited
+            sending = min(free, _blocked_in_send(record.calls, gap_start, event.start))
+            if produced > gap_start:
+                total[:2] = [total[0] + waited, total[1] + free]
+            else:
+                total[2:] = [total[2] + sending, total[3] + free - sending]
+    return IdleShares(*(t / (len(events) * (t1 - t0)) for t in total))
+
+
+def _blocked_in_send(calls, start, end):
+    """Seconds inside blocking sends, within [start, end]."""
+    return sum(max(0.0, min(c.waited_at, end) - max(c.started_at, start))
+               for c in calls if c.name == "send" and c.waited_at is not None)
+
+
+def alone_and_together(events_by_stage, kind):
+    """Median seconds of a computation of `kind` ("F" or "B") that ran (mostly) while no other stage
+    computed, and of one that ran (mostly) while another did: two ranks on two cores share more than
+    the cores' arithmetic (memory bandwidth, caches, and gloo's threads)."""
+    alone, together = [], []
+    for s, events in enumerate(events_by_stage):
+        others = [e for t, stage in enumerate(events_by_stage) if t != s for e in stage]
+        for e in (e for e in events if e.kind == kind):
+            overlap = sum(max(0.0, min(e.end, o.end) - max(e.start, o.start)) for o in others)
+            (together if overlap > (e.end - e.start) / 2 else alone).append(e.end - e.start)
+    median = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")
+    return median(alone), median(together)
 
 
 def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_dim, num_layers, batch_size,
                      num_steps=2, warmup=1, seed=0, dtype=torch.float32):
-    """{(schedule name, m): this stage's events, one list per timed step} for each schedule in `schedules`
+    """{(schedule name, m): this stage's StepRecord of each timed step} for each schedule in `schedules`
     ({name: schedule}) and each micro-batch count, after `warmup` untimed steps. Every step starts after a
     barrier, so all stages start together; times are perf_counter seconds (one clock per machine)."""
     for m in micro_batch_counts:
@@ -233,11 +399,11 @@ def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_
         for m in micro_batch_counts:
             timelines[name, m] = []
             for step in range(warmup + num_steps):
-                stage.new_step()
                 dist.barrier()
-                schedule(stage, batch, m)
+                with record_step(stage) as record:
+                    schedule(stage, batch, m)
                 opt.step()
                 opt.zero_grad()
                 if step >= warmup:
-                    timelines[name, m].append(stage.events)
+                    timelines[name, m].append(record)
     return timelines

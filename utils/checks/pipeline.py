@@ -1,20 +1,37 @@
-"""Checks for notebook 04 (pipeline parallel): the naive schedule, GPipe and 1F1B.
+"""Checks for notebook 04 (pipeline parallel): the hand-offs, one micro-batch's forward and backward,
+the naive schedule, GPipe and 1F1B.
 
-Each check trains the course's MLP with the student's schedule on WORLD_SIZE stages and on another
-stage count (one of them split unevenly), for several micro-batch counts, with SGD and AdamW, and
-compares with the single-process run (float64, to TOLERANCE) and with PyTorch's own pipelining
-(PipelineStage with ScheduleGPipe / Schedule1F1B) on the same stages. It also counts what each stage
-sends and receives, and how many micro-batches' activations each stage held at once.
+- `check_hand_offs`: each of the four hand-offs alone, on every stage: whom it sends to or receives
+  from, how many messages, what it sends, what it returns.
+- `check_forward_backward`: one micro-batch's `forward_step` and `backward_step` on every stage,
+  against the single-process MLP's activations and gradients (the micro-batch being one of 3, so
+  that the loss's division shows): the input, the output, what goes over the wire, the gradients.
+- `check_naive_step`, `check_gpipe_step`, `check_one_f_one_b_step`: train the course's MLP with the
+  student's schedule on WORLD_SIZE stages and on another stage count (one of them split unevenly),
+  for several micro-batch counts, with SGD and AdamW, and compare with the single-process run
+  (float64, to TOLERANCE) and with PyTorch's own pipelining on the same stages. They also count what
+  each stage sends and receives, how many micro-batches' activations it held at once, and, for 1F1B,
+  that every send was an `isend` still in flight while the stage went on computing.
+
+A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
+message that never comes runs into the timeout.
 """
+import contextlib
+import dataclasses
+import functools
 import itertools
 
+import torch
+
 from utils import pipeline as pp
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
-from utils.counting import RECEIVES, SENDS
-from utils.launch import runnable_world_sizes, spawn
-from utils.model import parameter_names, reference_gradients, train_reference
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
+from utils.intercept import RECEIVES, SENDS, intercept
+from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.model import build_mlp, loss_fn, make_batch, parameter_names, reference_gradients, train_reference
 
 OPTIMIZERS = ("sgd", "adamw")
+PYTORCH_OPTIMIZER = "adamw"  # the runs compared with PyTorch's pipelining as well
+AS_ONE_OF = 3  # check_forward_backward: the micro-batch is one of 3, so the loss must be divided by 3
 SCHEDULES = {  # kind: (what the student wrote, PyTorch's schedule to compare with)
     "naive": ("naive_step", "gpipe"),
     "gpipe": ("gpipe_step", "gpipe"),
@@ -38,42 +55,297 @@ def micro_batch_counts(kind, batch_size, num_micro_batches):
     return [m for m in sorted({1, 2, num_micro_batches, batch_size}) if batch_size % m == 0]
 
 
+def _spawn(fn, world_size, *args, timeout):
+    """spawn, with a rank's AssertionError (a mistake it found) raised here as an AssertionError."""
+    try:
+        return spawn(fn, world_size, *args, timeout=timeout)
+    except RankError as e:
+        if e.summary.startswith("AssertionError: "):
+            raise AssertionError(e.summary.removeprefix("AssertionError: ")) from e
+        raise
+
+
+# ---------------------------------------------------------------- messages: to whom, from whom, what
+
+@dataclasses.dataclass
+class Message:
+    name: str  # send, isend, recv, irecv
+    peer: int  # dst or src
+
+
+def _neighbour(peer, rank, world_size):
+    if not 0 <= peer < world_size:
+        return "no such rank"
+    return {rank + 1: "the next stage", rank - 1: "the previous stage"}.get(peer, "not a neighbour")
+
+
+@contextlib.contextmanager
+def _messages(where, rank, world_size, sends_to=None, receives_from=None, buffer=None, message=None):
+    """The point-to-point messages of the block, at most one each way. A send to, or a receive from, the
+    wrong rank, a second message, a receive into a buffer unlike `buffer` (a tensor), or a send of
+    something else than `message` ((tensor, what it is)) fails before it is made: so this stage, not
+    the neighbour that would hang, crash or compute with it, names the mistake."""
+    log = []
+
+    def before(call, arguments):
+        if call.name in SENDS + RECEIVES:
+            sending = call.name in SENDS
+            want, verb = (sends_to, "send to") if sending else (receives_from, "receive from")
+            peer = arguments.get("dst" if sending else "src")
+            if want is None:
+                raise AssertionError(f"{where}: called dist.{call.name}; it should not {verb} anyone")
+            if peer != want:
+                raise AssertionError(f"{where}: dist.{call.name} with rank {peer} "
+                                     f"({_neighbour(peer, rank, world_size)}); it should {verb} rank {want}, "
+                                     f"{_neighbour(want, rank, world_size)}")
+            if any((m.name in SENDS) == sending for m in log):
+                raise AssertionError(f"{where}: a second dist.{call.name}; each hand-off is one message")
+            tensor = arguments["tensor"]
+            if not sending and buffer is not None and (tensor.shape, tensor.dtype) != (buffer.shape, buffer.dtype):
+                raise AssertionError(f"{where}: receives into a {tensor.dtype} buffer of shape {tuple(tensor.shape)}; "
+                                     f"the message is {buffer.dtype} of shape {tuple(buffer.shape)} (use the shape and "
+                                     f"dtype arguments)")
+            if sending and message is not None:
+                _expect_tensor(f"{where}, what it sent", tensor.detach(), *message)
+        log.append(Message(call.name, arguments.get("dst", arguments.get("src"))))
+
+    with intercept(before=before):
+        yield log
+
+
+def _expect_counts(where, log, sends, receives):
+    """Exactly `sends` sends and `receives` receives, and nothing else."""
+    others = sorted({m.name for m in log if m.name not in SENDS + RECEIVES})
+    if others:
+        raise AssertionError(f"{where}: called {others}; a pipeline only needs send and recv (or isend and irecv)")
+    for names, want, what in ((SENDS, sends, "send"), (RECEIVES, receives, "receive")):
+        got = sum(m.name in names for m in log)
+        if got != want:
+            raise AssertionError(f"{where}: {got} {what}(s); expected {int(want)}")
+
+
+def _expect_tensor(where, got, want, what):
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{where}: gave {type(got).__name__}; expected a tensor: {what}")
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{where}: gave a {got.dtype} tensor of shape {tuple(got.shape)}; expected {what}, "
+                             f"{want.dtype} of shape {tuple(want.shape)} (the shape and dtype arguments)")
+    diff = max_abs_diff(got, want)
+    if diff > TOLERANCE:
+        raise AssertionError(f"{where}: gave a tensor that is not {what} (they differ by up to {diff:.3g})")
+
+
+# ---------------------------------------------------------------- the four hand-offs
+
+def _hand_off(where, rank, world_size, call, sends_to=None, receives_from=None, buffer=None, message=None):
+    with _messages(where, rank, world_size, sends_to, receives_from, buffer, message) as log:
+        result = call()
+    _expect_counts(where, log, sends_to is not None, receives_from is not None)
+    return result
+
+
+def _hand_offs_main(rank, world_size, hand_offs, shape, seed):
+    send_forward, recv_forward, send_backward, recv_backward = hand_offs
+    first, last, where = rank == 0, rank == world_size - 1, f"on stage {rank} of {world_size}"
+    activation, gradient = (lambda s: seeded_randn(shape, seed, s)), (lambda s: seeded_randn(shape, seed + 1, s))
+    if not last:
+        y = activation(rank).requires_grad_() * 1  # an output, with its graph
+        _hand_off(f"send_forward {where}", rank, world_size, lambda: send_forward(y), sends_to=rank + 1,
+                  message=(activation(rank), "the output's values"))
+    if not first:
+        x = _hand_off(f"recv_forward {where}", rank, world_size, lambda: recv_forward(shape, torch.float64),
+                         receives_from=rank - 1, buffer=activation(rank - 1))
+        _expect_tensor(f"recv_forward {where}", x, activation(rank - 1), "what the previous stage sent "
+                       "(return the buffer that dist.recv filled)")
+    if not first:
+        _hand_off(f"send_backward {where}", rank, world_size, lambda: send_backward(gradient(rank)),
+                  sends_to=rank - 1, message=(gradient(rank), "the gradient it was given"))
+    if not last:
+        grad = _hand_off(f"recv_backward {where}", rank, world_size,
+                            lambda: recv_backward(shape, torch.float64), receives_from=rank + 1,
+                            buffer=gradient(rank + 1))
+        _expect_tensor(f"recv_backward {where}", grad, gradient(rank + 1), "what the next stage sent "
+                       "(return the buffer that dist.recv filled)")
+
+
+def check_hand_offs(send_forward, recv_forward, send_backward, recv_backward, world_size, hidden_dim, batch_size,
+                    seed=0, timeout=CHECK_TIMEOUT):
+    """Each hand-off alone, on `world_size` stages and on 3 (a stage with both neighbours)."""
+    worlds = runnable_world_sizes(sorted({max(world_size, 2), 3}))
+    shape = (batch_size, hidden_dim)
+    for n in worlds:
+        _spawn(_hand_offs_main, n, (send_forward, recv_forward, send_backward, recv_backward), shape, seed,
+               timeout=timeout)
+    print(f"hand-offs: correct on {' and '.join(map(str, worlds))} stages")
+    print("  send_forward / recv_forward: one message to / from the next / previous stage, the values intact; "
+          "send_backward / recv_backward the other way")
+
+
+# ---------------------------------------------------------------- one micro-batch's forward and backward
+
+@dataclasses.dataclass
+class Reference:
+    """The single-process MLP on one micro-batch that is one of `m`."""
+
+    inputs: list  # of each layer, and the last layer's output
+    input_grads: list  # the gradient of each of those
+    grads: list  # of each weight
+    loss: torch.Tensor  # the micro-batch's loss / m
+
+
+def _reference_step(hidden_dim, num_layers, batch_size, m, seed):
+    mlp = build_mlp(hidden_dim, num_layers, seed)
+    activations = [make_batch(batch_size, hidden_dim, seed).requires_grad_()]
+    for layer in mlp.layers:
+        activations.append(layer(activations[-1]))
+        activations[-1].retain_grad()
+    loss = loss_fn(activations[-1]) / m
+    loss.backward()
+    return Reference([a.detach() for a in activations], [a.grad for a in activations],
+                     [p.grad for p in mlp.parameters()], loss.detach())
+
+
+def _check_forward(where, stage, x, y, log, reference):
+    lo, hi = stage.layer_indices[0], stage.layer_indices[-1] + 1
+    _expect_counts(where, log, not stage.is_last, not stage.is_first)
+    if not stage.is_first:
+        if not (isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad):
+            raise AssertionError(f"{where}: the input it returns must be the received tensor made a leaf that "
+                                 f"requires grad (requires_grad_()), so that x.grad is what goes back")
+        _expect_tensor(where + ", its input", x.detach(), reference.inputs[lo], "the received activation")
+    if stage.is_last:
+        undivided = AS_ONE_OF * reference.loss.item()
+        if isinstance(y, torch.Tensor) and y.shape == () and abs(y.detach().item() - undivided) < TOLERANCE:
+            raise AssertionError(f"{where}: returned the micro-batch's loss undivided; divide it by "
+                                 f"num_micro_batches ({AS_ONE_OF} here), so that the micro-batches' losses add up "
+                                 f"to the batch's")
+        _expect_tensor(where + ", its loss", y.detach(), reference.loss, f"the micro-batch's loss / {AS_ONE_OF}")
+        return
+    if not (isinstance(y, torch.Tensor) and y.grad_fn is not None):
+        raise AssertionError(f"{where}: the output it returns must keep its graph (send y.detach(), return y)")
+    _expect_tensor(where + ", its output", y.detach(), reference.inputs[hi], "the stage's output")
+
+
+def _check_backward(where, stage, log, reference):
+    if not stage.is_last and not any(m.name in RECEIVES for m in log):
+        raise AssertionError(f"{where}: received no gradient from stage {stage.rank + 1}: on every stage but the "
+                             f"last, y.backward needs the gradient of y that the next stage sends (recv_backward), "
+                             f"not a loss of its own")
+    _expect_counts(where, log, not stage.is_first, not stage.is_last)
+    names = parameter_names(len(reference.grads))
+    for i, p in zip(stage.layer_indices, stage.parameters()):
+        want = reference.grads[i]
+        if p.grad is None:
+            raise AssertionError(f"{where}: {names[i]} got no gradient: back-propagate through the stage")
+        diff = max_abs_diff(p.grad, want)
+        if diff <= TOLERANCE:
+            continue
+        if max_abs_diff(p.grad, AS_ONE_OF * want) <= TOLERANCE * AS_ONE_OF:
+            raise AssertionError(f"{where}: the gradient of {names[i]} is {AS_ONE_OF} times the reference's: the "
+                                 f"loss was not divided by num_micro_batches")
+        raise AssertionError(f"{where}: the gradient of {names[i]} differs from the single-process MLP's by "
+                             f"{diff:.3g}" + ("" if stage.is_last else ": back-propagate the gradient of y that "
+                                              "came from the next stage, y.backward(received gradient)"))
+
+
+def _forward_backward_main(rank, world_size, forward_step, backward_step, sizes, reference):
+    hidden_dim, num_layers, batch_size, seed = sizes
+    stage = pp.build_stage(rank, world_size, hidden_dim, num_layers, seed)
+    batch = make_batch(batch_size, hidden_dim, seed)
+    where = f"on stage {rank} of {world_size} (layers {list(stage.layer_indices)})"
+    previous, following = (None if stage.is_first else rank - 1), (None if stage.is_last else rank + 1)
+    lo, hi = stage.layer_indices[0], stage.layer_indices[-1] + 1
+    output = (reference.inputs[hi], "the stage's output")
+    with _messages(f"forward_step {where}", rank, world_size, following, previous, batch, output) as log:
+        x, y = forward_step(stage, batch, AS_ONE_OF)
+    _check_forward(f"forward_step {where}", stage, x, y, log, reference)
+    input_grad = (reference.input_grads[lo], "the gradient of its input (x.grad, after the backward)")
+    with _messages(f"backward_step {where}", rank, world_size, previous, following, batch, input_grad) as log:
+        backward_step(stage, x, y)
+    _check_backward(f"backward_step {where}", stage, log, reference)
+
+
+def check_forward_backward(forward_step, backward_step, world_size, hidden_dim, num_layers, batch_size, seed=0,
+                           timeout=CHECK_TIMEOUT):
+    """forward_step then backward_step of one micro-batch (one of 3), on every stage, against the single process."""
+    worlds = stage_counts(world_size, num_layers)
+    reference = _reference_step(hidden_dim, num_layers, batch_size, AS_ONE_OF, seed)
+    for n in worlds:
+        _spawn(_forward_backward_main, n, forward_step, backward_step, (hidden_dim, num_layers, batch_size, seed),
+               reference, timeout=timeout)
+    print(f"forward_step and backward_step: correct on {' and '.join(map(str, worlds))} stages")
+    print(f"  each stage's input, output (the loss / {AS_ONE_OF} on the last), what it sends each way and its "
+          f"weights' gradients equal the single-process MLP's to {TOLERANCE:g}")
+
+
+# ---------------------------------------------------------------- schedules: training runs
+
+@dataclasses.dataclass
+class Comparison:
+    ours: pp.PipelineRun
+    pytorch: pp.PytorchRun = None  # with PYTORCH_OPTIMIZER only
+
+
 def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
+    """{(m, optimizer): Comparison} on this stage. Each step's messages are checked here, as soon as the
+    step ends: a stage that skipped one leaves its neighbour waiting for ever, so it must say so first."""
     runs = {}
-    for m in counts:
+    layers = pp.stage_layers(sizes["num_layers"], world_size)[rank]
+    for m, optimizer in itertools.product(counts, OPTIMIZERS):
         # PyTorch's Schedule1F1B needs at least as many micro-batches as stages; with fewer, 1F1B is GPipe
         pytorch_name = SCHEDULES[kind][1] if m >= world_size else "gpipe"
-        for optimizer in OPTIMIZERS:
-            ours = pp.train_pipeline(rank, world_size, schedule, num_micro_batches=m, optimizer=optimizer, **sizes)
-            theirs = pp.train_pytorch_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
-                                               optimizer=optimizer, **sizes)
-            runs[m, optimizer] = dict(ours=ours, pytorch=theirs, pytorch_name=pytorch_name)
+        where = Where(SCHEDULES[kind][0], kind, rank, world_size, layers, m, optimizer)
+        after_step = functools.partial(_check_step, where, sizes["batch_size"] // m * sizes["hidden_dim"] * 8)
+        ours = pp.train_pipeline(rank, world_size, schedule, num_micro_batches=m, optimizer=optimizer,
+                                 after_step=after_step, **sizes)
+        # PyTorch's run once per m, with the optimizer that has state: the reference run covers both
+        theirs = pp.train_pytorch_pipeline(rank, world_size, pytorch_name, num_micro_batches=m, optimizer=optimizer,
+                                           **sizes) if optimizer == PYTORCH_OPTIMIZER else None
+        runs[m, optimizer] = Comparison(ours, theirs)
     return runs
 
 
-def _check_traffic(where, log, stage, num_stages, m, micro_bytes):
+@dataclasses.dataclass
+class Where:
+    """One stage of one run, and what it should have computed."""
+
+    label: str  # the schedule's name, e.g. one_f_one_b_step
+    kind: str
+    stage: int
+    num_stages: int
+    layers: range
+    m: int
+    optimizer: str
+
+    def __str__(self):
+        return (f"{self.label} on stage {self.stage} of {self.num_stages} (layers {list(self.layers)}), {self.m} "
+                f"micro-batch{'es' * (self.m > 1)}")
+
+
+def _check_traffic(where, calls, micro_bytes):
     """Forward: m activations to the next stage; backward: m gradients to the previous one."""
-    expected = m * ((stage < num_stages - 1) + (stage > 0))
-    sends = [call.nbytes for call in log if call.name in SENDS]
-    receives = sum(1 for call in log if call.name in RECEIVES)
-    others = sorted({call.name for call in log if call.name not in SENDS + RECEIVES})
+    s, p, m = where.stage, where.num_stages, where.m
+    expected = m * ((s < p - 1) + (s > 0))
+    sends = [call.nbytes for call in calls if call.name in SENDS]
+    receives = sum(1 for call in calls if call.name in RECEIVES)
+    others = sorted({call.name for call in calls if call.name not in SENDS + RECEIVES})
     if others:
         raise AssertionError(f"{where}: called {others}; a pipeline only needs send and recv (or isend and irecv)")
-    what = (f"{m} activation(s) to the next stage" if stage < num_stages - 1 else "") + \
-        (" and " if 0 < stage < num_stages - 1 else "") + \
-        (f"{m} gradient(s) to the previous stage" if stage > 0 else "")
+    forward, backward = (f"{m} activation(s)" if s < p - 1 else ""), (f"{m} gradient(s)" if s > 0 else "")
     if len(sends) != expected or sum(sends) != expected * micro_bytes:
+        what = " and ".join(filter(None, [forward and forward + " to the next stage",
+                                          backward and backward + " to the previous stage"]))
         raise AssertionError(f"{where}: sent {len(sends)} message(s), {sum(sends)} bytes, in one step; expected "
                              f"{what}: {expected} of {micro_bytes} bytes (a micro-batch's activation) = "
                              f"{expected * micro_bytes} bytes")
     if receives != expected:
-        what = (f"{m} activation(s) from the previous stage" if stage > 0 else "") + \
-            (" and " if 0 < stage < num_stages - 1 else "") + \
-            (f"{m} gradient(s) from the next stage" if stage < num_stages - 1 else "")
+        what = " and ".join(filter(None, [backward and f"{m} activation(s) from the previous stage",
+                                          forward and f"{m} gradient(s) from the next stage"]))
         raise AssertionError(f"{where}: {receives} receive(s) in one step; expected {expected}: {what}")
 
 
-def _check_gradients(where, got, want, names, m):
+def _check_gradients(where, got, want, names):
+    m = where.m
     for name, g, w in zip(names, got, want):
         if g is None:
             raise AssertionError(f"{where}: {name} got no gradient: did this stage run its backward?")
@@ -85,49 +357,123 @@ def _check_gradients(where, got, want, names, m):
                                  f"loss is a mean over its own rows, so summing {m} of them counts the batch {m} "
                                  f"times; divide each micro-batch's loss by num_micro_batches")
         raise AssertionError(f"{where}: after step 0's backward, the gradient of {name} differs from the "
-                             f"single-process MLP's by {diff:.3g}")
+                             f"single-process MLP's by {diff:.3g}" + (
+                                 "" if where.stage == where.num_stages - 1 else ": back-propagate each micro-batch's "
+                                 "output with the gradient received from the next stage for it (the buffer its "
+                                 "receive filled, after the receive completed)"))
 
 
-def _check_split(where, num_weights, num_layers, stage, num_stages):
-    want = num_layers // num_stages + (stage < num_layers % num_stages)  # the first L % p stages take one more
+def _check_split(where, num_weights, num_layers):
+    p, s = where.num_stages, where.stage
+    want = num_layers // p + (s < num_layers % p)  # the first L % p stages take one more
     if num_weights != want:
         raise AssertionError(f"{where}: the stage holds {num_weights} layer(s); expected {want}: {num_layers} // "
-                             f"{num_stages} each, and one more on the first {num_layers % num_stages} stage(s)")
+                             f"{p} each, and one more on the first {num_layers % p} stage(s)")
 
 
-def _check_losses(where, got, want, is_last):
-    if not is_last:
-        if got != [None] * len(got):
+def _check_losses(where, got, want):
+    if where.stage < where.num_stages - 1:
+        if any(g is not None for g in got):
             raise AssertionError(f"{where}: returned a loss; only the last stage has one (return None)")
         return
     for step, (g, w) in enumerate(zip(got, want)):
-        if g is None or abs(g - w) > TOLERANCE:
+        if not isinstance(g, float) or abs(g - w) > TOLERANCE:
+            g = f"a tensor of shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else g
             raise AssertionError(f"{where}: the loss returned at step {step} is {g}; the full batch's loss is {w:.6g} "
                                  f"(the sum of the micro-batches' losses, each divided by num_micro_batches)")
 
 
-def _check_weights(where, names, ours, reference, pytorch, pytorch_name):
-    for name, got, want, theirs in zip(names, ours, reference, pytorch):
+def _check_weights(where, names, ours, reference, pytorch):
+    for k, (name, got, want) in enumerate(zip(names, ours, reference)):
         diff = max_abs_diff(got, want)
         if diff > TOLERANCE:
-            raise AssertionError(f"{where}: at the end, {name} differs from the single-process run's by {diff:.3g} "
-                                 f"(step 0's gradients were right: look at what changes from step to step)")
-        diff = max_abs_diff(theirs, got)
+            raise AssertionError(f"{where} ({where.optimizer}): at the end, {name} differs from the single-process "
+                                 f"run's by {diff:.3g} (step 0's gradients were right: look at what changes from "
+                                 f"step to step)")
+        if pytorch is None:
+            continue
+        diff = max_abs_diff(pytorch.weights[k], got)
         if diff > TOLERANCE:
-            raise AssertionError(f"{where}: at the end, {name} differs from PyTorch's {pytorch_name} run's by "
-                                 f"{diff:.3g}")
+            raise AssertionError(f"{where} ({where.optimizer}): at the end, {name} differs from PyTorch's "
+                                 f"{pytorch.schedule} run's by {diff:.3g}")
 
 
-def _check_alive(where, kind, peak, stage, num_stages, m):
+def _check_alive(where, peak):
     """GPipe holds every micro-batch until the backwards; 1F1B at most p - s on stage s."""
-    want = {"naive": 1, "gpipe": m, "1f1b": min(num_stages - stage, m)}[kind]
+    p, s, m = where.num_stages, where.stage, where.m
+    want = {"naive": 1, "gpipe": m, "1f1b": min(p - s, m)}[where.kind]
     if peak != want:
         why = {"naive": "one batch, one forward, one backward",
                "gpipe": "all the forwards, then all the backwards",
-               "1f1b": f"{num_stages - stage - 1} warm-up forward(s) on stage {stage} of {num_stages}, then one "
-                       f"forward and one backward in turn: a backward frees the oldest micro-batch"}[kind]
+               "1f1b": f"{p - s - 1} warm-up forward(s) on stage {s} of {p}, then one forward and one backward in "
+                       f"turn: a backward frees the oldest micro-batch"}[where.kind]
         raise AssertionError(f"{where}: held the activations of {peak} micro-batch(es) at once; expected {want} "
                              f"({why})")
+
+
+def _check_sends_in_flight(where, record):
+    """1F1B: each send is an isend, still in flight when the stage's next computation starts, waited for
+    before the step returns; each gradient's irecv is waited for before the backward that uses it."""
+    starts = sorted(e.start for e in record.events)
+    for call in (c for c in record.calls if c.name in SENDS):
+        if call.blocking:
+            raise AssertionError(f"{where}: sent with dist.send, which returns only once the neighbour has taken "
+                                 f"the message: 1F1B needs dist.isend, its handle kept and waited for at the end of "
+                                 f"the step")
+        if call.waited_at is None:
+            raise AssertionError(f"{where}: an isend's handle was never waited for: wait for every send before the "
+                                 f"step returns (its tensor must stay intact until it is sent)")
+        following = next((t for t in starts if t > call.started_at), None)
+        if following is not None and call.waited_at < following:
+            raise AssertionError(f"{where}: an isend was waited for before the stage's next forward or backward "
+                                 f"started: that is a blocking send again; keep the handle and wait for it at the "
+                                 f"end of the step")
+    backwards = sorted((e for e in record.events if e.kind == "B"), key=lambda e: e.micro_batch)
+    posted = [c for c in record.calls if c.name == "irecv"]
+    if any(c.waited_at is None for c in posted):
+        raise AssertionError(f"{where}: an irecv's handle was never waited for: wait() on it before using its "
+                             f"buffer")
+    for call, backward in zip(posted, backwards) if len(posted) == len(backwards) else ():
+        if call.waited_at > backward.start:
+            raise AssertionError(f"{where}: the backward of micro-batch {backward.micro_batch} started before its "
+                                 f"gradient's irecv was waited for: wait() on the handle, then back-propagate")
+
+
+def _check_step(where, micro_bytes, record):
+    """On the rank, after each step: its messages, and for 1F1B when they were waited for."""
+    _check_traffic(where, record.calls, micro_bytes)
+    if where.kind == "1f1b":
+        _check_sends_in_flight(where, record)
+
+
+def _check_stage(where, run, reference, sizes):
+    """Every other property of one stage's run (`reference`: step 0's gradients, final weights, losses)."""
+    ours, layers, names = run.ours, where.layers, parameter_names(sizes["num_layers"])
+    grads, weights, losses = reference
+    _check_split(where, len(ours.weights), sizes["num_layers"])
+    _check_gradients(where, ours.grads, [grads[i] for i in layers], [names[i] for i in layers])
+    _check_losses(where, ours.losses, losses)
+    _check_weights(where, [names[i] for i in layers], ours.weights, [weights[i] for i in layers], run.pytorch)
+    _check_alive(where, ours.peak_alive)
+
+
+def _print_verdict(kind, worlds, counts, num_layers, num_steps, runs):
+    label = SCHEDULES[kind][0]
+    names = {c.pytorch.schedule for by_key in runs for c in by_key.values() if c.pytorch is not None}
+    pytorch = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe",
+               "1f1b": "Schedule1F1B" + (" (ScheduleGPipe for m < stages)" if "gpipe" in names else "")}[kind]
+    splits = "; ".join(f"{n} stages: " + ", ".join(str(len(r)) for r in pp.stage_layers(num_layers, n)) + " layers"
+                       for n in worlds)
+    print(f"{label}: correct on {' and '.join(map(str, worlds))} stages ({splits}), micro-batches {counts}")
+    print(f"  step 0's gradients, the losses, and the weights after {num_steps} steps of SGD and AdamW equal the "
+          f"single-process run's, and with AdamW PyTorch's {pytorch}'s, to {TOLERANCE:g}")
+    print("  each stage sends m activations forward and m gradients backward per step, one micro-batch each")
+    if kind == "1f1b":
+        print("  every send an isend, still in flight when the stage's next forward or backward started")
+    if kind != "naive":
+        peaks = {m: [by_key[m, "sgd"].ours.peak_alive for by_key in runs] for m in counts}
+        print(f"  micro-batches alive at once on each of {worlds[0]} stages (counted): "
+              + ", ".join(f"m={m}: {peaks[m]}" for m in counts))
 
 
 def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches=1,
@@ -136,44 +482,20 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
     if kind not in SCHEDULES:
         raise ValueError(f"kind must be one of {list(SCHEDULES)}, got {kind!r}")
     pp.check_sizes(num_layers, world_size, batch_size, num_micro_batches)
-    counts = micro_batch_counts(kind, batch_size, num_micro_batches)
-    worlds = stage_counts(world_size, num_layers)
+    counts, worlds = micro_batch_counts(kind, batch_size, num_micro_batches), stage_counts(world_size, num_layers)
     sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps, seed=seed)
-    names = parameter_names(num_layers)
-    want_grads = reference_gradients(hidden_dim, num_layers, batch_size, seed)
-    references = {o: train_reference(hidden_dim, num_layers, batch_size, num_steps, o, seed=seed) for o in OPTIMIZERS}
-    label = SCHEDULES[kind][0]
-    pytorch_names, first_results = set(), None
+    grads = reference_gradients(hidden_dim, num_layers, batch_size, seed)
+    references = {o: (grads, *train_reference(hidden_dim, num_layers, batch_size, num_steps, o, seed=seed))
+                  for o in OPTIMIZERS}
+    first_runs = None
     for n in worlds:
-        results = spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
-        first_results = first_results or results
+        runs = _spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
+        first_runs = first_runs or runs
         for m, optimizer, (stage, layers) in itertools.product(counts, OPTIMIZERS,
                                                                 enumerate(pp.stage_layers(num_layers, n))):
-            run = results[stage][m, optimizer]
-            ours, weights, losses = run["ours"], references[optimizer][0], references[optimizer][1]
-            where = f"{label} on stage {stage} of {n} (layers {list(layers)}), {m} micro-batch{'es' * (m > 1)}"
-            _check_split(where, len(ours["weights"]), num_layers, stage, n)
-            for step, log in enumerate(ours["logs"]):
-                _check_traffic(f"{where}, step {step}", log, stage, n, m, micro_bytes=batch_size // m * hidden_dim * 8)
-            _check_gradients(where, ours["grads"], [want_grads[i] for i in layers], [names[i] for i in layers], m)
-            _check_losses(where, ours["losses"], losses, stage == n - 1)
-            _check_weights(f"{where} ({optimizer}, {num_steps} steps)", [names[i] for i in layers], ours["weights"],
-                           [weights[i] for i in layers], run["pytorch"]["weights"], run["pytorch_name"])
-            _check_alive(where, kind, ours["peak_alive"], stage, n, m)
-            pytorch_names.add(run["pytorch_name"])
-    pytorch = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe",
-               "1f1b": "Schedule1F1B" + (" (ScheduleGPipe for m < stages)" if "gpipe" in pytorch_names else "")}[kind]
-    splits = "; ".join(f"{n} stages: " + ", ".join(str(len(r)) for r in pp.stage_layers(num_layers, n)) + " layers"
-                       for n in worlds)
-    print(f"{label}: correct on {' and '.join(map(str, worlds))} stages ({splits}), micro-batches {counts}")
-    print(f"  step 0's gradients, the losses, and the weights after {num_steps} steps of SGD and AdamW equal the "
-          f"single-process run's and PyTorch's {pytorch} to {TOLERANCE:g}")
-    print("  each stage sends m activations forward and m gradients backward per step, one micro-batch each")
-    if kind != "naive":
-        n = worlds[0]
-        peaks = {m: [run[m, "sgd"]["ours"]["peak_alive"] for run in first_results] for m in counts}
-        print(f"  micro-batches alive at once on each of {n} stages (counted): "
-              + ", ".join(f"m={m}: {peaks[m]}" for m in counts))
+            where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, optimizer)
+            _check_stage(where, runs[stage][m, optimizer], references[optimizer], sizes)
+    _print_verdict(kind, worlds, counts, num_layers, num_steps, first_runs)
 
 
 def check_naive_step(naive_step, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0,

@@ -1,0 +1,254 @@
+"""utils/checks/pipeline.py: the notebook 04 solution passes every check on any stage count; each plausible
+wrong answer, written as a small edit of the solution itself, fails at its own exercise's check with a
+hint that names the mistake."""
+import pytest
+import torch
+
+from utils import pipeline as pp
+from utils.checks.pipeline import (check_forward_backward, check_gpipe_step, check_hand_offs, check_naive_step,
+                                   check_one_f_one_b_step)
+from utils.notebooks import solution
+
+NOTEBOOK = "04_pipeline_parallel"
+HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS, NUM_MICRO_BATCHES = 8, 5, 8, 2, 4
+HANG = 3  # seconds: the checks' timeout in the tests where a stage waits forever
+
+
+def check(exercise, sol, world_size=2, timeout=20):
+    """Run the check cell of `exercise` on the functions of `sol` (a solution module, maybe edited)."""
+    sizes = (HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+    if exercise == "hand_offs":
+        check_hand_offs(sol.send_forward, sol.recv_forward, sol.send_backward, sol.recv_backward, world_size,
+                        HIDDEN_DIM, BATCH_SIZE // NUM_MICRO_BATCHES, timeout=timeout)
+    elif exercise == "forward_backward":
+        check_forward_backward(sol.forward_step, sol.backward_step, world_size, *sizes, timeout=timeout)
+    elif exercise == "naive":
+        check_naive_step(sol.naive_step, world_size, *sizes, NUM_STEPS, timeout=timeout)
+    elif exercise == "gpipe":
+        check_gpipe_step(sol.gpipe_step, world_size, *sizes, NUM_STEPS, NUM_MICRO_BATCHES, timeout=timeout)
+    else:
+        check_one_f_one_b_step(sol.one_f_one_b_step, world_size, *sizes, NUM_STEPS, NUM_MICRO_BATCHES, timeout=timeout)
+
+
+# ---------------------------------------------------------------- the solution passes
+
+@pytest.mark.parametrize("world_size", [3, 2])
+def test_the_solution_passes_every_check(world_size, capsys):
+    sol = solution(NOTEBOOK)
+    for exercise in ("hand_offs", "forward_backward", "naive", "gpipe", "1f1b"):
+        check(exercise, sol, world_size)
+    out = capsys.readouterr().out
+    for verdict in ("hand-offs: correct", "forward_step and backward_step: correct", "naive_step: correct",
+                    "gpipe_step: correct", "one_f_one_b_step: correct", "Schedule1F1B", "still in flight"):
+        assert verdict in out
+
+
+def test_stage_split_rule():
+    assert [list(r) for r in pp.stage_layers(6, 4)] == [[0, 1], [2, 3], [4], [5]]
+    assert [len(r) for r in pp.stage_layers(7, 3)] == [3, 2, 2]
+    assert [len(r) for r in pp.stage_layers(4, 4)] == [1, 1, 1, 1]
+
+
+def test_bad_sizes_name_the_values():
+    with pytest.raises(ValueError, match="world size 4 is more stages than num layers 3"):
+        pp.check_sizes(3, 4, 8, 1)
+    with pytest.raises(ValueError, match="batch size 8 is not divisible by num micro batches 3"):
+        pp.check_sizes(6, 2, 8, 3)
+    with pytest.raises(TypeError, match="num_micro_batches must be an int, got 2.0"):
+        pp.check_sizes(6, 2, 8, 2.0)
+    with pytest.raises(ValueError, match="world size 6 is more stages than num layers 5"):
+        check("gpipe", solution(NOTEBOOK), 6)
+
+
+def events(*rows):
+    return [[pp.Event(*e) for e in row] for row in rows]
+
+
+def test_bubble_formula_idle_fraction_and_replay():
+    assert pp.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    step = events([("F", 0, 0.0, 1.0), ("B", 0, 3.0, 4.0)], [("F", 0, 1.0, 2.0), ("B", 0, 2.0, 3.0)])
+    assert pp.idle_fraction(step) == pytest.approx(0.5)
+    # the same step with a 0.5 s hand-off into stage 1 and a gap of 0.5 s on stage 0: the replay closes both
+    late = events([("F", 0, 0.0, 1.0), ("B", 0, 4.5, 5.5)], [("F", 0, 1.5, 2.5), ("B", 0, 2.5, 3.5)])
+    assert [e.start for e in pp.replay(late)[0]] == [0.0, 3.0]
+    assert pp.idle_fraction(pp.replay(late)) == pytest.approx(0.5)
+    assert sorted(pp.hand_off_delays(late)) == pytest.approx([0.5, 1.0])
+
+
+def test_idle_shares_add_up_to_the_idle_fraction():
+    late = events([("F", 0, 0.0, 1.0), ("B", 0, 4.5, 5.5)], [("F", 0, 1.5, 2.5), ("B", 0, 2.5, 3.5)])
+    records = [pp.StepRecord(events=row) for row in late]
+    shares = pp.idle_shares(records)
+    assert sum(vars(shares).values()) == pytest.approx(pp.idle_fraction(late))
+    assert shares.hand_off == pytest.approx((0.5 + 1.0) / 11)  # stage 1's wait for F0, stage 0's for B0
+
+
+def test_recording_stays_outside_the_stage():
+    stage = pp.build_stage(0, 1, HIDDEN_DIM, 2)
+    with pp.record_step(stage) as record:
+        for micro_batch in torch.ones(4, HIDDEN_DIM, dtype=torch.float64).chunk(2):
+            stage(micro_batch).square().mean().backward()
+    assert [(e.kind, e.micro_batch) for e in record.events] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert record.peak_alive == 1
+    assert not stage._forward_hooks and not stage._forward_pre_hooks  # removed on leaving the block
+
+
+# ---------------------------------------------------------------- wrong answers, each an edit of the solution
+
+SEND_FORWARD = "    dist.send(y.detach(), dst=dist.get_rank() + 1)\n"
+RECV_BACKWARD = ("    grad = torch.empty(shape, dtype=dtype)\n    dist.recv(grad, src=dist.get_rank() + 1)\n"
+                 "    return grad\n")
+FORWARD_LOSS = "        return x, loss_fn(y) / num_micro_batches\n"
+BACKWARD_RECV = "        y.backward(recv_backward(y.shape, y.dtype))\n"
+GPIPE_FORWARDS = ("    alive = [forward_step(stage, micro_batch, num_micro_batches) for micro_batch in "
+                  "batch.chunk(num_micro_batches)]\n    for x, y in alive:\n        backward_step(stage, x, y)\n")
+ISEND_FORWARD = "        sends.append(dist.isend(y.detach(), dst=stage.rank + 1))\n"
+ISEND_BACKWARD = "            sends.append(dist.isend(x.grad, dst=stage.rank - 1))\n"
+
+WRONG = {  # exercise: [(what the student wrote, {solution text: wrong text}, the hint the check must give)]
+    "hand_offs": [
+        ("send_forward to the previous stage",
+         {SEND_FORWARD: SEND_FORWARD.replace("+ 1", "- 1")},
+         r"send_forward on stage 0 of 2: dist.send with rank -1 \(no such rank\); it should send to rank 1, the "
+         r"next stage"),
+        ("recv_backward from the previous stage",
+         {RECV_BACKWARD: RECV_BACKWARD.replace("+ 1", "- 1")},
+         r"recv_backward on stage 0 of 2: dist.recv with rank -1 \(no such rank\); it should receive from rank "
+         r"1, the next stage"),
+        ("recv_backward returns a new buffer, not the one it received into",
+         {RECV_BACKWARD: RECV_BACKWARD.replace("    return grad\n", "    return torch.zeros(shape, dtype=dtype)\n")},
+         r"recv_backward on stage 0 of 2: gave a tensor that is not what the next stage sent \(return the buffer "
+         r"that dist.recv filled\)"),
+        ("send_backward forgotten",
+         {"    dist.send(grad, dst=dist.get_rank() - 1)\n": "    pass\n"},
+         r"send_backward on stage 1 of 2: 0 send\(s\); expected 1"),
+        ("send_forward sends twice",
+         {SEND_FORWARD: SEND_FORWARD * 2},
+         r"send_forward on stage 0 of 2: a second dist.send; each hand-off is one message"),
+        ("recv_forward ignores the dtype",
+         {"    x = torch.empty(shape, dtype=dtype)\n": "    x = torch.empty(shape)\n"},
+         r"recv_forward on stage 1 of 2: receives into a torch.float32 buffer of shape \(2, 8\); the message is "
+         r"torch.float64 of shape \(2, 8\) \(use the shape and dtype arguments\)"),
+    ],
+    "forward_backward": [
+        ("the loss not divided by the number of micro-batches",
+         {FORWARD_LOSS: "        return x, loss_fn(y)\n"},
+         r"forward_step on stage 1 of 2 \(layers \[3, 4\]\): returned the micro-batch's loss undivided; divide it "
+         r"by num_micro_batches"),
+        ("the received input not made a leaf that requires grad",
+         {"\n        x = recv_forward(micro_batch.shape, micro_batch.dtype).requires_grad_()\n":
+          "\n        x = recv_forward(micro_batch.shape, micro_batch.dtype)\n"},
+         r"forward_step on stage 1 of 2 .*: the input it returns must be the received tensor made a leaf that "
+         r"requires grad"),
+        ("an extra send of the output",
+         {"    send_forward(y)\n    return x, y\n": "    send_forward(y)\n    send_forward(y)\n    return x, y\n"},
+         r"forward_step on stage 0 of 2 .*: a second dist.send; each hand-off is one message"),
+        ("loss.backward on a non-last stage: the received gradient not used",
+         {BACKWARD_RECV: "        y.sum().backward()\n"},
+         r"backward_step on stage 0 of 2 \(layers \[0, 1, 2\]\): received no gradient from stage 1: on every "
+         r"stage but the last, y.backward needs the gradient of y that the next stage sends"),
+        ("the received gradient ignored, a gradient of ones back-propagated",
+         {BACKWARD_RECV: "        recv_backward(y.shape, y.dtype)\n        y.backward(torch.ones_like(y))\n"},
+         r"backward_step on stage 0 of 2 .*: the gradient of layers.0.linear.weight differs .*: back-propagate "
+         r"the gradient of y that came from the next stage"),
+        ("the input sent back instead of its gradient",
+         {"        send_backward(x.grad)\n": "        send_backward(x.detach())\n"},
+         r"backward_step on stage 1 of 2 .*, what it sent: gave a tensor that is not the gradient of its input"),
+    ],
+    "naive": [
+        ("a loss returned on every stage",
+         {"    return y.detach() if stage.is_last else None\n    ### END SOLUTION":
+          "    return y.detach()\n    ### END SOLUTION"},
+         r"naive_step on stage 0 of 2 .*: returned a loss; only the last stage has one"),
+        ("no loss returned on the last stage",
+         {"    return y.detach() if stage.is_last else None\n    ### END SOLUTION": "    ### END SOLUTION"},
+         r"naive_step on stage 1 of 2 .*: the loss returned at step 0 is None"),
+        ("the backward forgotten",
+         {"    backward_step(stage, x, y)\n    return y.detach()": "    return y.detach()"},
+         r"naive_step on stage 0 of 2 .*: 0 receive\(s\) in one step; expected 1: 1 gradient\(s\) from the next"),
+        ("the loss divided by the number of rows, as if each row were a micro-batch",
+         {"    x, y = forward_step(stage, batch, 1)\n": "    x, y = forward_step(stage, batch, len(batch))\n"},
+         r"naive_step on stage 0 of 2 .*: after step 0's backward, the gradient of layers.0.linear.weight differs"),
+    ],
+    "gpipe": [
+        ("each micro-batch's loss not divided by m",
+         {GPIPE_FORWARDS: GPIPE_FORWARDS.replace("forward_step(stage, micro_batch, num_micro_batches)",
+                                                 "forward_step(stage, micro_batch, 1)")},
+         r"gpipe_step on stage 0 of 2 .*, 2 micro-batches: the gradient of layers.0.linear.weight is 2 times the "
+         r"full batch's"),
+        ("only the last micro-batch's loss returned",
+         {"    return sum(y.detach() for _, y in alive) if stage.is_last else None\n":
+          "    return alive[-1][1].detach() if stage.is_last else None\n"},
+         r"gpipe_step on stage 1 of 2 .*, 2 micro-batches: the loss returned at step 0"),
+        ("forward and backward of each micro-batch in turn, not all forwards first",
+         {GPIPE_FORWARDS: "    alive = []\n    for micro_batch in batch.chunk(num_micro_batches):\n"
+                          "        alive.append(forward_step(stage, micro_batch, num_micro_batches))\n"
+                          "        backward_step(stage, *alive[-1])\n"},
+         r"gpipe_step on stage 0 of 2 .*, 2 micro-batches: held the activations of 1 micro-batch\(es\) at once; "
+         r"expected 2 \(all the forwards, then all the backwards\)"),
+    ],
+    "1f1b": [
+        ("blocking dist.send, the receives still posted early",
+         {ISEND_FORWARD: "        dist.send(y.detach(), dst=stage.rank + 1)\n",
+          ISEND_BACKWARD: "            dist.send(x.grad, dst=stage.rank - 1)\n"},
+         r"one_f_one_b_step on stage \d of 2 .*: sent with dist.send, which returns only once the neighbour has "
+         r"taken the message: 1F1B needs dist.isend"),
+        ("isend waited for at once",
+         {ISEND_FORWARD: "        dist.isend(y.detach(), dst=stage.rank + 1).wait()\n"},
+         r"one_f_one_b_step on stage 0 of 2 .*: an isend was waited for before the stage's next forward or "
+         r"backward started: that is a blocking send again"),
+        ("the isends never waited for",
+         {"    for handle in sends:\n        handle.wait()\n": ""},
+         r"one_f_one_b_step on stage \d of 2 .*: an isend's handle was never waited for"),
+        ("1F1B run in GPipe order: every forward, then every backward",
+         {"    for i in range(num_warmup):\n        forward(micro_batches[i])\n"
+          "    for i in range(num_warmup, num_micro_batches):\n        forward(micro_batches[i])\n        backward()\n"
+          "    for _ in range(num_warmup):\n        backward()\n":
+          "    for micro_batch in micro_batches:\n        forward(micro_batch)\n    for _ in micro_batches:\n"
+          "        backward()\n"},
+         r"one_f_one_b_step on stage 1 of 2 .*, 2 micro-batches: held the activations of 2 micro-batch\(es\) at "
+         r"once; expected 1 \(0 warm-up forward"),
+        ("the gradient received into one buffer, the backward given another",
+         {"        alive.append((x, y, grad, dist.irecv(grad, src=stage.rank + 1)))\n":
+          "        alive.append((x, y, torch.zeros_like(y), dist.irecv(grad, src=stage.rank + 1)))\n"},
+         r"one_f_one_b_step on stage 0 of 2 .*: after step 0's backward, the gradient of layers.0.linear.weight "
+         r"differs from the single-process MLP's by .*: back-propagate each micro-batch's output with the gradient "
+         r"received from the next stage"),
+        ("each micro-batch's loss not divided by m",
+         {"            alive.append((x, loss_fn(y) / num_micro_batches, None, None))\n":
+          "            alive.append((x, loss_fn(y), None, None))\n"},
+         r"one_f_one_b_step on stage 0 of 2 .*, 2 micro-batches: the gradient of layers.0.linear.weight is 2 times "
+         r"the full batch's: .* divide each micro-batch's loss by num_micro_batches"),
+    ],
+}
+CATALOGUE = [(exercise, *entry) for exercise, entries in WRONG.items() for entry in entries]
+
+
+@pytest.mark.parametrize("exercise, mistake, edit, hint", CATALOGUE, ids=[f"{e[0]}: {e[1]}" for e in CATALOGUE])
+def test_a_wrong_answer_fails_at_its_own_check_naming_the_mistake(exercise, mistake, edit, hint):
+    with pytest.raises(AssertionError, match=hint):
+        check(exercise, solution(NOTEBOOK, replace=edit))
+
+
+def test_every_exercise_has_at_least_three_wrong_answers():
+    assert all(len(entries) >= 3 for entries in WRONG.values())
+
+
+@pytest.mark.parametrize("exercise, edit", [
+    ("naive", {SEND_FORWARD: "    pass\n"}),  # the next stage waits for an activation forever
+    ("1f1b", {ISEND_FORWARD: ""}),  # the next stage waits for an activation forever
+])
+def test_a_missing_message_in_a_schedule_ends_in_the_timeout_naming_the_stuck_stage(exercise, edit):
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        check(exercise, solution(NOTEBOOK, replace=edit), timeout=HANG)
+
+
+def test_a_wrong_stage_split_fails(monkeypatch):
+    def last_stages_take_more(num_layers, world_size):
+        sizes = [num_layers // world_size + (s >= world_size - num_layers % world_size) for s in range(world_size)]
+        starts = [sum(sizes[:s]) for s in range(world_size)]
+        return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+    monkeypatch.setattr(pp, "stage_layers", last_stages_take_more)
+    with pytest.raises(AssertionError, match=r"holds 2 layer\(s\); expected 3: 5 // 2 each, and one more on the"):
+        check("naive", solution(NOTEBOOK))
