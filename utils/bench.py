@@ -29,19 +29,24 @@ def collective_seconds(fn, repeat=5, warmup=1):
 
 
 def interleaved_seconds(fns, repeat=5, warmup=1):
-    """{name: seconds} for several calls that every rank makes, timed in turns (a, b, a, b, ...)
-    so that a change in the machine's load hits them all alike. See collective_seconds."""
+    """{name: median seconds} for several calls, timed in turns (a, b, a, b, ...) so that a change in the
+    machine's load hits them all alike. On ranks (a process group is up), every rank makes the calls, each
+    run starts after a barrier, and the slowest rank's median counts (see collective_seconds); in a single
+    process, its own medians."""
+    ranks = dist.is_initialized()
     times = {name: [] for name in fns}
     for run in range(warmup + repeat):
         for name, fn in fns.items():
-            dist.barrier()
+            if ranks:
+                dist.barrier()
             start = time.perf_counter()
             fn()
             if run >= warmup:
                 times[name].append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times[name]) for name in fns], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, slowest.tolist()))
+    medians = torch.tensor([statistics.median(times[name]) for name in fns], dtype=torch.float64)
+    if ranks:
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(fns, medians.tolist()))
 
 
 # Two ways to turn a time into a link speed, side by side (notebook 01):

@@ -1,0 +1,145 @@
+"""utils/checks/mixed_precision.py: right answers (the solution notebook's own code) pass; each wrong answer
+in the catalogue, a small edit of the real solution, fails at its own check with a hint that names the
+mistake; bad input fails before anything runs."""
+import pytest
+import torch
+import torch.nn as nn
+
+from utils.checks.mixed_precision import (
+    check_loss_scaler,
+    check_mixed_precision_step,
+    check_recompute,
+    check_reduce_dtype,
+)
+from utils.mixed_precision import check_dtype, check_loss_scale, check_recomputable
+from utils.notebooks import solution
+
+NOTEBOOK = "06_mixed_precision"
+SIZES = dict(hidden_dim=8, num_layers=3, batch_size=6, seed=0)
+
+
+def run_check(exercise, sol, world_size=3, **sizes):
+    sizes = {**SIZES, **sizes}
+    if exercise == "scaler":
+        check_loss_scaler(sol.DynamicLossScaler)
+    elif exercise == "step":
+        check_mixed_precision_step(sol.DynamicLossScaler, sol.mixed_precision_step, num_steps=4, **sizes)
+    elif exercise == "reduce":
+        check_reduce_dtype(sol.average_gradients, world_size, **sizes)
+    else:
+        check_recompute(sol.recompute, **sizes)
+
+
+# ---------------------------------------------------------------- right answers
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_right_answers_pass(world_size, capsys):
+    sol = solution(NOTEBOOK)
+    for exercise in ("scaler", "step", "reduce", "recompute"):
+        run_check(exercise, sol, world_size)
+    assert capsys.readouterr().out.count("correct") == 4
+
+
+def test_right_answers_pass_at_other_sizes():
+    sol = solution(NOTEBOOK)
+    run_check("reduce", sol, 4, hidden_dim=5, num_layers=1, batch_size=8)
+    run_check("step", sol, hidden_dim=5, num_layers=1, batch_size=3, seed=2)
+    run_check("recompute", sol, hidden_dim=5, num_layers=6, batch_size=1, seed=1)
+
+
+# ---------------------------------------------------------------- the catalogue of wrong answers
+
+DIVIDE = "            p.grad.div_(self.scale)\n"
+HALVE = "            self.scale /= 2\n            self.clean_steps = 0\n"
+GROW = ("            if self.clean_steps == self.growth_interval:\n                self.scale *= 2\n"
+        "                self.clean_steps = 0\n")
+FINITE = "            found_inf |= not torch.isfinite(p.grad).all().item()\n"
+COPY = ("    with torch.no_grad():\n        for low, p in zip(model.parameters(), master.parameters()):\n"
+        "            low.copy_(p)\n")
+GRADS = "        p.grad, low.grad = low.grad.float(), None\n"
+UNSCALE = "found_inf = False if scaler is None else scaler.unscale_(master.parameters())"
+STEP = "    if not found_inf:\n        optimizer.step()\n"
+CAST = "        grad = p.grad.to(reduce_dtype)\n"
+MEAN = "        p.grad.copy_(grad.to(p.grad.dtype) / world_size)\n"
+SAVE = "        ctx.save_for_backward(x)\n        return block(x)\n"
+RERUN = "        with torch.enable_grad():\n            out = ctx.block(x)\n"
+RETURN = "        return (None, *grads)\n"
+
+CATALOGUE = {
+    # DynamicLossScaler
+    "unscales twice": ("scaler", {DIVIDE: "            p.grad.div_(self.scale).div_(self.scale)\n"},
+                       "divide each gradient by the scale exactly once"),
+    "finds inf but not NaN": ("scaler", {FINITE: "            found_inf |= bool(p.grad.isinf().any())\n"},
+                              "for gradients that are NaN"),
+    "grows the scale every step": ("scaler", {GROW: "            self.scale *= 2\n"}, "grew before 3 clean steps"),
+    "does not halve on inf": ("scaler", {HALVE: "            self.clean_steps = 0\n"},
+                              "must halve the scale; it stayed"),
+    "keeps counting clean steps across an inf": ("scaler", {HALVE: "            self.scale /= 2\n"},
+                                                 "restart the count after an inf"),
+    # mixed_precision_step
+    "stale low-precision copy": ("step", {COPY: ""}, "copy the master weights into the low-precision model"),
+    "steps the bf16 copy, not the master": ("step", {GRADS: "        low.data -= 0.1 * low.grad\n"},
+                                            "master weights did not change"),
+    "never unscales": ("step", {UNSCALE: "found_inf = False if scaler is None else not all(torch.isfinite(p.grad)"
+                                         ".all() for p in master.parameters())"}, "unscale once"),
+    "unscales twice in the step": ("step", {UNSCALE: UNSCALE + " or scaler.unscale_(master.parameters())"},
+                                   "unscale once"),
+    "does not skip on inf": ("step", {STEP: "    optimizer.step()\n"}, "must be skipped"),
+    "never updates the scale": ("step", {"        scaler.update(found_inf)\n": "        pass\n"},
+                                "call scaler.update"),
+    # average_gradients
+    "all-reduces in fp32 anyway": ("reduce", {CAST: "        grad = p.grad.clone()\n"},
+                                   "cast each gradient to reduce_dtype before the all-reduce"),
+    "divides in bf16": ("reduce", {MEAN: "        p.grad.copy_(grad / world_size)\n"}, "divide in fp32"),
+    "divides before the all-reduce": ("reduce", {CAST: "        grad = (p.grad / world_size).to(reduce_dtype)\n",
+                                                 MEAN: "        p.grad.copy_(grad.to(p.grad.dtype))\n"},
+                                      "all-reduce the gradient itself, then divide"),
+    "sum, not mean": ("reduce", {MEAN: "        p.grad.copy_(grad.to(p.grad.dtype))\n"}, "3 times too large"),
+    # Recompute
+    "saves every activation anyway": ("recompute", {SAVE: "        ctx.save_for_backward(x)\n"
+                                                          "        with torch.enable_grad():\n"
+                                                          "            ctx.out = block(x)\n"
+                                                          "        return ctx.out.detach()\n"},
+                                      "save only the block's input"),
+    "recomputes without enable_grad": ("recompute", {RERUN: "        out = ctx.block(x)\n"}, "torch.enable_grad"),
+    "no gradients for the parameters": ("recompute", {
+        RETURN: "        return (None, grads[0], *[None] * (len(grads) - 1))\n"}, "the block's parameters included"),
+    "returns only the input's gradient": ("recompute", {RETURN: "        return None, grads[0]\n"},
+                                          "one gradient per input of forward"),
+    "recomputes from the output": ("recompute", {SAVE: "        out = block(x)\n        ctx.save_for_backward(out)\n"
+                                                       "        return out\n"},
+                                   "recompute the block from its saved input"),
+    "runs the block once more in forward": ("recompute", {
+        "    return Recompute.apply(check_recomputable(block), x, *block.parameters())":
+        "    block(x)\n    return Recompute.apply(check_recomputable(block), x, *block.parameters())"},
+        "once in forward"),
+}
+
+
+@pytest.mark.parametrize("mistake", CATALOGUE)
+def test_wrong_answer_fails_with_a_hint_that_names_it(mistake):
+    exercise, replace, hint = CATALOGUE[mistake]
+    wrong = solution(NOTEBOOK, replace=replace)
+    with pytest.raises(AssertionError, match=hint):
+        run_check(exercise, wrong)
+
+
+# ---------------------------------------------------------------- bad input, before anything runs
+
+def test_bad_input_is_refused_with_a_named_error():
+    sol = solution(NOTEBOOK)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        check_dtype("dtype", torch.float64)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        check_dtype("dtype", "bf16")
+    for scale in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="init_scale must be a finite number above 0"):
+            sol.DynamicLossScaler(scale)
+    with pytest.raises(TypeError, match="init_scale must be a number"):
+        check_loss_scale("init_scale", True)
+    with pytest.raises(ValueError, match="no parameters"):
+        sol.recompute(nn.GELU(), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="no parameters"):
+        check_recomputable(nn.Linear(2, 2).requires_grad_(False))
+    with pytest.raises(TypeError, match="growth_interval must be an int"):
+        sol.DynamicLossScaler(8.0, 2.5)

@@ -1,0 +1,392 @@
+"""Checks for notebook 06 (mixed precision and activation recomputation).
+
+- check_loss_scaler: the scaler's unscale_ and update against the rule GradScaler follows;
+- check_mixed_precision_step: the student's step against one process applying the same casts (fp32, bf16,
+  fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), and a step whose
+  gradients hold an inf: skipped, scale halved;
+- check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
+- check_recompute: gradients bit for bit, and the bytes autograd saves, against the formula.
+"""
+import copy
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
+from utils.intercept import intercept
+from utils.launch import spawn
+from utils.mixed_precision import SHORT, SavedActivations, activation_bytes_formula, check_dtype, one_thread
+from utils.model import build_mlp, local_batch, loss_fn, make_batch, make_optimizer
+from utils.sizes import check_int
+
+LOW_PRECISION_TOLERANCE = 1e-6  # on fp32 master weights after a few SGD steps: another rounding of a bf16/fp16
+# gradient moves a weight by about lr * eps * |g|; every wrong answer in the catalogue moves it 100x more
+GROWTH_INTERVAL = 3  # the checks' scaler grows after 3 clean steps, so a few steps show growth
+
+
+# ---------------------------------------------------------------- the loss scaler
+
+def _expected_scales(init_scale, growth_interval, found_infs):
+    """GradScaler's rule: halve on inf (and restart the count), double after growth_interval clean steps."""
+    scale, clean, scales = init_scale, 0, []
+    for found_inf in found_infs:
+        if found_inf:
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == growth_interval:
+                scale, clean = scale * 2, 0
+        scales.append(scale)
+    return scales
+
+
+def _scale_hint(got, want, found_infs):
+    step = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+    before = 8.0 if step == 0 else want[step - 1]
+    if found_infs[step] and got[step] == before:
+        why = "an inf/NaN step must halve the scale; it stayed"
+    elif found_infs[step]:
+        why = f"an inf/NaN step must halve the scale (to {want[step]:g}), got {got[step]:g}"
+    elif got[step] > want[step]:
+        why = (f"the scale grew before {GROWTH_INTERVAL} clean steps in a row: grow only after growth_interval "
+               f"clean steps, and restart the count after an inf and after growing")
+    else:
+        why = f"the scale should have grown to {want[step]:g} after {GROWTH_INTERVAL} clean steps in a row"
+    return f"after update #{step} (found_inf={found_infs[step]}): scale {got[step]:g}, expected {want[step]:g}: {why}"
+
+
+def check_loss_scaler(DynamicLossScaler):
+    """unscale_ divides each gradient once and reports inf/NaN; update follows GradScaler's rule."""
+    grads = [torch.tensor([8.0, -4.0]), torch.tensor([2.0])]
+    for case, poison, want_inf in [("finite", None, False), ("inf", float("inf"), True), ("NaN", float("nan"), True)]:
+        params = [torch.zeros_like(g, requires_grad=True) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        if poison is not None:
+            params[1].grad[0] = poison
+        found_inf = DynamicLossScaler(8.0, GROWTH_INTERVAL).unscale_(params)
+        assert bool(found_inf) == want_inf, (
+            f"DynamicLossScaler.unscale_ returned found_inf={found_inf} for gradients that are {case}: return True "
+            f"exactly when some gradient holds an inf or a NaN (after unscaling)")
+        if poison is None:
+            got = [p.grad for p in params]
+            ratio = got[0][0].item() / (grads[0][0].item() / 8)
+            assert all(torch.equal(a, b / 8) for a, b in zip(got, grads)), (
+                f"DynamicLossScaler.unscale_: gradients are {ratio:g} x (gradient / scale): divide each gradient "
+                f"by the scale exactly once, in place")
+    found_infs = [False, False, True, False, False, False, False, False, False, True, True, False]
+    scaler = DynamicLossScaler(8.0, GROWTH_INTERVAL)
+    got = []
+    for found_inf in found_infs:
+        scaler.update(found_inf)
+        got.append(float(scaler.scale))
+    want = _expected_scales(8.0, GROWTH_INTERVAL, found_infs)
+    assert got == want, "DynamicLossScaler.update: " + _scale_hint(got, want, found_infs)
+    print(f"DynamicLossScaler: correct; unscale_ divides once and finds inf and NaN; scales over "
+          f"{len(found_infs)} updates: {' '.join(f'{s:g}' for s in got)}")
+
+
+# ---------------------------------------------------------------- the mixed-precision step
+
+@dataclasses.dataclass
+class Run:
+    """A few steps, step by step: the master weights after each, its loss, the scale after it, whether it
+    stepped, and whether its forward ran on the master weights it started from (None where not known)."""
+    weights: list
+    losses: list
+    scales: list
+    stepped: list
+    fresh: list
+
+
+def _batches(batch_size, hidden_dim, seed, num_steps, poison_step):
+    for step in range(num_steps):
+        batch = make_batch(batch_size, hidden_dim, seed, step, torch.float32)
+        if step == poison_step:
+            batch[0, 0] = float("inf")  # its loss and every gradient: inf or NaN
+        yield batch
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b):
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _run_student(step_fn, scaler, dtype, sizes, poison_step=None):
+    master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    model = copy.deepcopy(master).to(dtype)
+    optimizer = make_optimizer(master.parameters(), "sgd")
+    run = Run([_snapshot(master)], [], [], [], [])
+    for batch in _batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, poison_step):
+        with torch.no_grad():  # the loss of this step's forward on the current master weights
+            expected = loss_fn(copy.deepcopy(master).to(dtype)(batch.to(dtype))).item()
+        loss, did_step = step_fn(master, model, optimizer, batch, scaler)
+        run.fresh.append(_same(float(loss), expected))
+        run.losses.append(float(loss))
+        run.stepped.append(bool(did_step))
+        run.scales.append(None if scaler is None else float(scaler.scale))
+        run.weights.append(_snapshot(master))
+    return run
+
+
+def _run_reference(dtype, sizes, init_scale, poison_step=None, autocast=False):
+    """One process, the same casts (or torch.autocast + GradScaler): the run the student's must equal."""
+    master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    model = copy.deepcopy(master).to(dtype)
+    optimizer = make_optimizer(master.parameters(), "sgd")
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL,
+                                  enabled=init_scale is not None)
+    run = Run([_snapshot(master)], [], [], [], [])
+    for batch in _batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, poison_step):
+        if autocast:
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_fn(master(batch))
+            scaler.scale(loss).backward()
+        else:
+            with torch.no_grad():
+                for low, p in zip(model.parameters(), master.parameters()):
+                    low.copy_(p)
+            loss = loss_fn(model(batch.to(dtype)))
+            scaler.scale(loss.float()).backward()
+            for low, p in zip(model.parameters(), master.parameters()):
+                p.grad, low.grad = low.grad.float(), None
+        scaler.step(optimizer)  # unscales (x 1/scale, exact for powers of two), skips on inf/NaN
+        scaler.update()
+        optimizer.zero_grad()
+        run.weights.append(_snapshot(master))
+        run.stepped.append(any(not torch.equal(a, b) for a, b in zip(run.weights[-2], run.weights[-1])))
+        run.losses.append(loss.item())
+        run.scales.append(scaler.get_scale() if init_scale is not None else None)
+    return run
+
+
+def _step_hint(got, want, step, tolerance):
+    """What is wrong at `step` (the first step where something is), or None."""
+    before, after, right = got.weights[step], got.weights[step + 1], want.weights[step + 1]
+    if any(not torch.isfinite(w).all() for w in after) and all(torch.isfinite(w).all() for w in right):
+        return "the master weights hold inf or NaN: a step whose gradients are not finite must be skipped"
+    if got.fresh and not got.fresh[step]:
+        return ("the forward pass did not run on the current master weights: copy the master weights into the "
+                "low-precision model before each forward")
+    if got.stepped[step] != want.stepped[step]:
+        return (f"your step {'stepped' if got.stepped[step] else 'skipped'}, the reference "
+                f"{'stepped' if want.stepped[step] else 'skipped'}: skip the optimizer step exactly when a gradient "
+                f"holds an inf or a NaN, and report it")
+    if got.scales[step] != want.scales[step]:
+        return (f"the scale after it is {got.scales[step]}, the reference's {want.scales[step]}: call "
+                f"scaler.update(found_inf) once per step")
+    if want.stepped[step] and all(torch.equal(a, b) for a, b in zip(before, after)):
+        return ("the fp32 master weights did not change: the optimizer steps the master parameters, so give them "
+                "the low-precision gradients, cast to fp32")
+    worst = max(max_abs_diff(g, w) for g, w in zip(after, right))
+    size = max(w.abs().max().item() for w in right)
+    if worst > tolerance * max(1.0, size) or any(g.dtype != torch.float32 for g in after):
+        return (f"the fp32 master weights differ from the reference's by up to {worst:.3g} (largest {size:.3g}): if "
+                f"the gradients were divided by the scale twice (or not at all), each update is 1/scale (or scale) "
+                f"times the reference's: unscale once, before the optimizer step")
+    return None
+
+
+def _compare(got, want, label, tolerance):
+    for step in range(len(want.stepped)):
+        hint = _step_hint(got, want, step, tolerance)
+        if hint is not None:
+            raise AssertionError(f"{label}: step {step}: {hint}")
+
+
+@dataclasses.dataclass
+class Sizes:
+    hidden_dim: int
+    num_layers: int
+    batch_size: int
+    num_steps: int
+    seed: int
+
+
+def check_mixed_precision_step(DynamicLossScaler, mixed_precision_step, hidden_dim, num_layers, batch_size,
+                               num_steps, seed=0):
+    """fp32 exact, bf16 and fp16 (with the scaler) to LOW_PRECISION_TOLERANCE, against the same casts in one
+    process and against torch.autocast + GradScaler; an inf step skipped and the scale halved."""
+    sizes = Sizes(check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers),
+                  check_int("batch_size", batch_size), check_int("num_steps", num_steps, 2), check_int("seed", seed, 0))
+    with one_thread():
+        _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes)
+    print(f"mixed_precision_step: correct; {sizes.num_steps} SGD steps equal the reference with the same casts "
+          f"(fp32 exactly; bf16 and fp16 with a dynamic loss scaler to {LOW_PRECISION_TOLERANCE:g} relative) and "
+          f"torch.autocast('cpu') + torch.amp.GradScaler('cpu'); a step with an inf gradient is skipped and the "
+          f"scale halves")
+
+
+def _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes):
+    poison = sizes.num_steps // 2
+    cases = [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.bfloat16, None, poison),
+             (torch.float16, 2.0**16, None), (torch.float16, 2.0**10, poison)]
+    for dtype, init_scale, poison_step in cases:
+        label = f"{SHORT[dtype]}{'' if init_scale is None else f' with a scaler from {init_scale:g}'}"
+        label += "" if poison_step is None else f", an inf in step {poison_step}'s batch"
+        scaler = None if init_scale is None else DynamicLossScaler(init_scale, GROWTH_INTERVAL)
+        got = _run_student(mixed_precision_step, scaler, dtype, sizes, poison_step)
+        tolerance = 0.0 if dtype == torch.float32 else LOW_PRECISION_TOLERANCE
+        if poison_step is None or init_scale is not None:
+            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step), label, tolerance)
+        else:  # no scaler: nothing may skip; the weights turn NaN as in the reference
+            assert got.stepped == [True] * sizes.num_steps, f"{label}: without a scaler, every step steps"
+        if dtype != torch.float32 and (init_scale is not None or poison_step is None):  # autocast: low dtypes only
+            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step, autocast=True),
+                     label + " vs torch.autocast + GradScaler", tolerance)
+
+
+# ---------------------------------------------------------------- the reduction dtype in data parallel
+
+def _reduce_main(rank, world_size, average_gradients, sizes, reduce_dtypes):
+    model = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, torch.float32), rank,
+                        world_size)
+    loss_fn(model(batch)).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    reference = [g.clone() for g in local]  # fp32 all-reduced by the same gloo, in the same order: exact
+    for g in reference:
+        dist.all_reduce(g)
+        g /= world_size
+    every_local = [torch.zeros(world_size, *g.shape) for g in local]
+    for whole, g in zip(every_local, local):
+        dist.all_gather(list(whole.unbind(0)), g)
+    results = []
+    for reduce_dtype in reduce_dtypes:
+        for p, g in zip(model.parameters(), local):
+            p.grad = g.clone()
+        reduced = []
+        with intercept(after=lambda call, args: reduced.append(args["tensor"].clone())) as log:
+            average_gradients(model, reduce_dtype)
+        results.append(([p.grad.clone() for p in model.parameters()], reduced, [c.name for c in log]))
+    return local, reference, every_local, results
+
+
+def rounding_bound(every_local, dtype):
+    """Per element: N casts and N - 1 additions, each off by at most u = eps / 2 of what it rounds, or by half
+    the subnormal spacing (smallest_normal * u) below the normal range: |mean - exact mean| <= u * sum_i |g_i|
+    + 2 * smallest_normal * u (first order; x 1.01 for the rest)."""
+    info = torch.finfo(dtype)
+    u = info.eps / 2
+    return 1.01 * (u * every_local.abs().sum(0) + 2 * info.smallest_normal * u)
+
+
+def _check_reduced(label, got, reduced, names, local, reference, every_local, reduce_dtype, world_size, num_params):
+    all_reduces = [n for n in names if n == "all_reduce"]
+    assert len(all_reduces) == num_params, (
+        f"{label}: {len(all_reduces)} all-reduce(s) for {num_params} gradients: all-reduce each gradient once")
+    dtypes = sorted({str(t.dtype) for t in reduced})
+    assert dtypes == [str(reduce_dtype)], (
+        f"{label}: the all-reduces were given {', '.join(dtypes)} tensors: cast each gradient to reduce_dtype "
+        f"before the all-reduce (that is what halves the bytes)")
+    for i, (g, r, mine, ref) in enumerate(zip(got, reduced, local, reference)):
+        where = f"{label}, gradient {i}"
+        assert g is not None and g.dtype == torch.float32, (
+            f"{where}: its .grad is {None if g is None else g.dtype}: keep the gradient in fp32 (the master's dtype)")
+        if reduce_dtype == torch.float32:
+            close = max_abs_diff(g, ref) <= 4 * world_size * torch.finfo(torch.float32).eps * ref.abs().max().item()
+            assert torch.equal(g, ref), f"{where}: " + (
+                "equal to an fp32 all-reduce of the gradients divided by the world size only up to rounding, not bit "
+                "for bit: all-reduce the gradient itself, then divide" if close
+                else diagnose_gradient(g, ref, mine, world_size))
+            continue
+        bound = rounding_bound(every_local[i], reduce_dtype)
+        if not ((g - ref).abs() <= bound).all():
+            raise AssertionError(f"{where}: {diagnose_gradient(g, ref, mine, world_size)}; beyond the "
+                                 f"{SHORT[reduce_dtype]} rounding bound u * sum_i |g_i|")
+        assert torch.equal(g, r.to(torch.float32) / world_size), (
+            f"{where}: it is not the {SHORT[reduce_dtype]} all-reduced sum cast to fp32 and then divided by the "
+            f"world size: sum in {SHORT[reduce_dtype]}, then divide in fp32 (dividing in {SHORT[reduce_dtype]}, or "
+            f"before the all-reduce, rounds once more)")
+
+
+def check_reduce_dtype(average_gradients, world_size, hidden_dim, num_layers, batch_size, seed=0):
+    """fp32: the same bits as an fp32 all-reduce; bf16: one bf16 all-reduce per gradient, within the rounding
+    bound of the fp32 mean, and exactly the bf16 sum divided in fp32."""
+    sizes = Sizes(check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers),
+                  check_int("batch_size", batch_size), 1, check_int("seed", seed, 0))
+    reduce_dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    runs = spawn(_reduce_main, world_size, average_gradients, sizes, reduce_dtypes, timeout=CHECK_TIMEOUT)
+    worst = {}
+    for rank, (local, reference, every_local, results) in enumerate(runs):
+        for reduce_dtype, (got, reduced, names) in zip(reduce_dtypes, results):
+            label = f"average_gradients(reduce_dtype={reduce_dtype}) on rank {rank} of {world_size}"
+            _check_reduced(label, got, reduced, names, local, reference, every_local, reduce_dtype, world_size,
+                           num_layers)
+            worst[reduce_dtype] = max([worst.get(reduce_dtype, 0.0)] + [max_abs_diff(g, r)
+                                                                       for g, r in zip(got, reference)])
+    print(f"average_gradients: correct on {world_size} ranks; fp32 equals an fp32 all-reduce bit for bit; "
+          f"bf16 and fp16: one all-reduce per gradient in that dtype, divided in fp32, within the rounding bound")
+
+
+# ---------------------------------------------------------------- activation recomputation
+
+def _forward_backward(model, x, recompute=None):
+    """Gradients and the bytes saved for backward, with each layer run through `recompute(layer, x)` or not."""
+    model.zero_grad(set_to_none=True)
+    calls = [0] * len(model.layers)
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, layer in enumerate(model.layers)]
+    try:
+        with SavedActivations(model) as saved:
+            for layer in model.layers:
+                x = layer(x) if recompute is None else recompute(layer, x)
+            loss = loss_fn(x)
+        forward_calls = list(calls)
+        loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, saved.nbytes, forward_calls, [c - f for c, f in zip(calls, forward_calls)]
+
+
+RECOMPUTE_ERRORS = [  # (words in the error, what they usually mean)
+    ("does not require grad", "recompute under torch.enable_grad() (backward runs with gradients off), from the saved "
+                              "input detached and made to require a gradient"),
+    ("incorrect number of gradients", "backward returns one gradient per input of forward: None for the block, then "
+                                      "the input's, then each parameter's"),
+]
+
+
+def check_recompute(recompute, hidden_dim, num_layers, batch_size, seed=0, dtype=torch.float32):
+    """Each layer recomputed once in backward; loss and gradients bit for bit; saved bytes = the formula's."""
+    hidden_dim, num_layers = check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers)
+    batch_size, dtype = check_int("batch_size", batch_size), check_dtype("dtype", dtype)
+    with one_thread():
+        _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
+
+
+def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype):
+    model = build_mlp(hidden_dim, num_layers, seed, dtype)
+    x = make_batch(batch_size, hidden_dim, seed, 0, dtype)
+    loss, grads, saved, _, _ = _forward_backward(model, x)
+    try:
+        got_loss, got, got_saved, forward_calls, backward_calls = _forward_backward(model, x, recompute)
+    except RuntimeError as e:
+        hint = next((h for words, h in RECOMPUTE_ERRORS if words in str(e)), "see the error")
+        raise AssertionError(f"recompute: backward raised {type(e).__name__}: {str(e).splitlines()[0]}; {hint}") from e
+    e = torch.tensor([], dtype=dtype).element_size()
+    want = activation_bytes_formula(batch_size, hidden_dim, num_layers, e, recompute=True)
+    assert torch.equal(got_loss, loss), "recompute: the loss differs from the plain forward's: return block(x)"
+    assert forward_calls == [1] * num_layers, (
+        f"recompute: forward ran each layer {forward_calls} times: once in forward, once more in backward")
+    assert backward_calls == [1] * num_layers, (
+        f"recompute: backward ran the layers' forward {backward_calls} times: recompute each block exactly once, "
+        f"in backward")
+    for i, (g, w) in enumerate(zip(got, grads)):
+        assert g is not None, (f"recompute: layer {i}'s weight got no gradient: backward must return a gradient for "
+                               f"every input of forward, the block's parameters included")
+        assert torch.equal(g, w), (f"recompute: layer {i}'s weight gradient differs from the plain run's by up to "
+                                   f"{max_abs_diff(g, w):.3g}: recompute the block from its saved input and "
+                                   f"differentiate that")
+    assert got_saved <= want, (
+        f"recompute: autograd saved {got_saved} bytes, the formula says (L + 1) * B * h * e = {want}: save only the "
+        f"block's input (run the block under torch.no_grad() in forward), not what the block computes")
+    print(f"recompute: correct; {num_layers} layers, loss and gradients equal the plain run's bit for bit, each "
+          f"layer recomputed once in backward; saved {got_saved} bytes instead of {saved} (formula: {want})")
