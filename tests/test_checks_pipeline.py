@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from utils import pipeline as pp
-from utils.checks.pipeline import (check_forward_backward, check_gpipe_step, check_hand_offs, check_naive_step,
-                                   check_one_f_one_b_step)
+from utils.checks.pipeline import (
+    check_forward_backward,
+    check_gpipe_step,
+    check_hand_offs,
+    check_naive_step,
+    check_one_f_one_b_step,
+)
 from utils.notebooks import solution
 
 NOTEBOOK = "04_pipeline_parallel"
