@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from utils.intercept import intercept
-from utils.model import Layer, layer_weight, loss_fn, make_batch, make_optimizer
+from utils.model import Layer, layer_weight, make_batch, make_optimizer
 from utils.sizes import check_int, divide
 
 
@@ -222,52 +222,6 @@ class PytorchRun:
     weights: list  # this stage's, after the last step
     losses: list  # by step; None except on the last stage
     schedule: str  # "gpipe" or "1f1b"
-
-
-def build_pytorch_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,
-                           dtype=torch.float64):
-    """(this stage's module, PyTorch's schedule) with PipelineStage and ScheduleGPipe or Schedule1F1B.
-
-    PyTorch's schedules compute the loss of each micro-batch (a mean over its rows) and, with
-    scale_grads=True (the default), divide the gradients by the number of micro-batches at the end:
-    the full batch's gradients, as ours.
-    """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    if schedule_name not in schedules:
-        raise ValueError(f"schedule must be one of {list(schedules)}, got {schedule_name!r}")
-    module = Stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
-    stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
-    return module, schedules[schedule_name](stage, num_micro_batches, loss_fn=lambda output, target: loss_fn(output),
-                                            scale_grads=True)
-
-
-def pytorch_step(module, schedule, batch):
-    """One step's forwards and backwards; returns the batch's loss on the last stage (None elsewhere)."""
-    if module.is_first:
-        schedule.step(batch)
-        return None
-    losses = []
-    target = torch.zeros(len(batch)) if module.is_last else None  # the loss ignores it
-    schedule.step(target=target, losses=losses)
-    return sum(loss.detach() for loss in losses) / len(losses) if module.is_last else None
-
-
-def train_pytorch_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, batch_size, num_steps,
-                           num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64):
-    """PyTorch's run of the same training: a PytorchRun."""
-    check_sizes(num_layers, world_size, batch_size, num_micro_batches)
-    module, schedule = build_pytorch_schedule(rank, world_size, schedule_name, hidden_dim, num_layers,
-                                              num_micro_batches, seed, dtype)
-    opt = make_optimizer(module.parameters(), optimizer)
-    losses = []
-    for step in range(num_steps):
-        loss = pytorch_step(module, schedule, make_batch(batch_size, hidden_dim, seed, step, dtype))
-        opt.step()
-        opt.zero_grad()
-        losses.append(None if loss is None else float(loss))
-    return PytorchRun(weights(module), losses, schedule_name)
 
 
 # ---------------------------------------------------------------- bubbles

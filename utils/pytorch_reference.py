@@ -2,11 +2,11 @@
 
 A student who wants to see how PyTorch does it reads it here, a few lines each, on the course's MLP:
 
-    notebook 02  data parallel      DistributedDataParallel, no_sync      train_ddp
-    notebook 03  tensor parallel    DTensor, parallelize_module           tensor_parallel_plan, tensor_parallel_mlp
-    notebook 04  pipeline parallel  torch.distributed.pipelining          (utils.pipeline, for now)
-    notebook 05  ZeRO-1             ZeroRedundancyOptimizer               zero_redundancy_optimizer
-    notebook 05  FSDP               FSDP2 fully_shard                     fully_shard_mlp
+    notebook 02  data parallel      DistributedDataParallel, no_sync   train_ddp
+    notebook 03  tensor parallel    DTensor, parallelize_module        tensor_parallel_plan, tensor_parallel_mlp
+    notebook 04  pipeline parallel  torch.distributed.pipelining       pipeline_schedule, pipeline_step, train_pipeline
+    notebook 05  ZeRO-1             ZeroRedundancyOptimizer            zero_redundancy_optimizer
+    notebook 05  FSDP               FSDP2 fully_shard                  fully_shard_mlp
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
 """
@@ -59,6 +59,56 @@ def tensor_parallel_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.
     check_sizes(hidden_dim, world_size, num_layers)
     mesh = init_device_mesh("cpu", (world_size,))
     return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tensor_parallel_plan(num_layers))
+
+
+def pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,
+                      dtype=torch.float64):
+    """(this stage's module, PyTorch's schedule) with PipelineStage and ScheduleGPipe or Schedule1F1B.
+
+    PyTorch's schedules compute the loss of each micro-batch (a mean over its rows) and, with
+    scale_grads=True (the default), divide the gradients by the number of micro-batches at the end:
+    the full batch's gradients, as ours.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from utils import pipeline as pp
+
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if schedule_name not in schedules:
+        raise ValueError(f"schedule must be one of {list(schedules)}, got {schedule_name!r}")
+    module = pp.Stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+    stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
+    return module, schedules[schedule_name](stage, num_micro_batches, loss_fn=lambda output, target: loss_fn(output),
+                                            scale_grads=True)
+
+
+def pipeline_step(module, schedule, batch):
+    """One step's forwards and backwards; returns the batch's loss on the last stage (None elsewhere)."""
+    if module.is_first:
+        schedule.step(batch)
+        return None
+    losses = []
+    target = torch.zeros(len(batch)) if module.is_last else None  # the loss ignores it
+    schedule.step(target=target, losses=losses)
+    return sum(loss.detach() for loss in losses) / len(losses) if module.is_last else None
+
+
+def train_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, batch_size, num_steps,
+                   num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64):
+    """Notebook 04's training run with PyTorch's schedule: a utils.pipeline.PytorchRun."""
+    from utils import pipeline as pp
+
+    pp.check_sizes(num_layers, world_size, batch_size, num_micro_batches)
+    module, schedule = pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches,
+                                         seed, dtype)
+    opt = make_optimizer(module.parameters(), optimizer)
+    losses = []
+    for step in range(num_steps):
+        loss = pipeline_step(module, schedule, make_batch(batch_size, hidden_dim, seed, step, dtype))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    return pp.PytorchRun(pp.weights(module), losses, schedule_name)
 
 
 def zero_redundancy_optimizer(params, optimizer_class=torch.optim.AdamW, **defaults):

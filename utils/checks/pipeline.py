@@ -24,6 +24,7 @@ import itertools
 import torch
 
 from utils import pipeline as pp
+from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.intercept import RECEIVES, SENDS, intercept
 from utils.launch import RankError, runnable_world_sizes, spawn
@@ -299,8 +300,10 @@ def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
         ours = pp.train_pipeline(rank, world_size, schedule, num_micro_batches=m, optimizer=optimizer,
                                  after_step=after_step, **sizes)
         # PyTorch's run once per m, with the optimizer that has state: the reference run covers both
-        theirs = pp.train_pytorch_pipeline(rank, world_size, pytorch_name, num_micro_batches=m, optimizer=optimizer,
-                                           **sizes) if optimizer == PYTORCH_OPTIMIZER else None
+        theirs = None
+        if optimizer == PYTORCH_OPTIMIZER:
+            theirs = pytorch_reference.train_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
+                                                      optimizer=optimizer, **sizes)
         runs[m, optimizer] = Comparison(ours, theirs)
     return runs
 
