@@ -46,10 +46,16 @@ REPO = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0))
 
 
-@pytest.fixture(autouse=True, params=["fork", "spawn"])
+def pytest_generate_tests(metafunc):
+    """Every test of the contract runs twice: ranks forked (Linux's default) and spawned (macOS's path, with
+    warm ranks); a test marked `one_start_method` runs once: it picks its start methods itself, or starts no rank."""
+    if "start_method" in metafunc.fixturenames:
+        chooses = metafunc.definition.get_closest_marker("one_start_method")
+        metafunc.parametrize("start_method", ["fork"] if chooses else ["fork", "spawn"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def start_method(request, monkeypatch):
-    """Every test of the contract runs twice: ranks forked (Linux's default) and spawned (macOS's path,
-    with warm ranks), unless it picks a start method itself."""
     monkeypatch.setenv(utils.launch.START_METHOD_ENV, request.param)
     return request.param
 
@@ -273,6 +279,7 @@ MAIN_SCRIPT = """
 """
 
 
+@pytest.mark.one_start_method
 def test_fn_defined_in_main_module():
     """2: fn defined at the top level of __main__ (the notebook case), with spawn and with fork."""
     runs = {method: subprocess.Popen(_python(MAIN_SCRIPT, method), cwd=REPO, env=_subprocess_env(),
@@ -316,6 +323,7 @@ def test_output_is_captured_prefixed_and_in_rank_order(capfd):
 
 # ---------------------------------------------------------------- 4. start method
 
+@pytest.mark.one_start_method
 def test_resolve_start_method(monkeypatch):
     """4: fork on Linux by default; $SPAWN_START_METHOD and then the argument override; bad -> ValueError."""
     monkeypatch.delenv("SPAWN_START_METHOD", raising=False)
@@ -341,6 +349,7 @@ def _probe_fn():
     return probe
 
 
+@pytest.mark.one_start_method
 def test_start_method_fork_vs_spawn_end_to_end(monkeypatch):
     """4: start_method="spawn" and $SPAWN_START_METHOD=spawn really spawn; fork inherits the caller (with
     one thread per rank: as many ranks as cores)."""
@@ -360,6 +369,7 @@ def _parallel_matmul(rank, world_size):
     return (b @ b).shape[0], torch.get_num_threads()
 
 
+@pytest.mark.one_start_method
 def test_a_rank_with_several_threads_works_after_the_caller_used_its_thread_pool():
     """9: GNU OpenMP's thread pool does not survive fork: a single rank (two threads on two cores) forked
     from a caller that had run a parallel matmul used to hang in its own first one."""
@@ -368,6 +378,7 @@ def test_a_rank_with_several_threads_works_after_the_caller_used_its_thread_pool
     assert spawn(_parallel_matmul, 1, timeout=30) == [(512, threads_per_rank(1))]
 
 
+@pytest.mark.one_start_method
 def test_every_accepted_start_method_works():
     """4: a start method that resolve_start_method accepts ("forkserver" on Linux) works or is refused.
 
@@ -620,6 +631,7 @@ def _busy_rank(rank, world_size, rendezvous, everyone):
     return t[0].item(), _listening_addresses()
 
 
+@pytest.mark.one_start_method
 def test_listening_socket_helper_sees_wildcard_binds():
     """8: the /proc/net parser used below finds a socket listening on all interfaces (self-check)."""
     for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET, "127.0.0.1"),
@@ -691,6 +703,7 @@ def _ok(rank, world_size):
     return rank
 
 
+@pytest.mark.one_start_method
 @pytest.mark.parametrize("kwargs, error", [
     (dict(fn=42), TypeError),
     (dict(fn="fn"), TypeError),
@@ -718,6 +731,7 @@ def test_bad_arguments_fail_before_any_process_starts(no_process_may_start, kwar
         spawn(fn, world_size, **call)
 
 
+@pytest.mark.one_start_method
 def test_good_arguments_reach_process_start(no_process_may_start):
     """10: (self-check) the patch above does catch a call that starts processes."""
     with pytest.raises(_Started):
@@ -726,6 +740,7 @@ def test_good_arguments_reach_process_start(no_process_may_start):
 
 # ---------------------------------------------------------------- 11. torchrun
 
+@pytest.mark.one_start_method
 def test_under_torchrun():
     """11: under torchrun, fn runs in the torchrun ranks themselves; world_size must match."""
     proc = subprocess.run(
@@ -816,6 +831,7 @@ def _parent_pid(rank, world_size):
     return os.getppid()
 
 
+@pytest.mark.one_start_method
 def test_warm_ranks_can_be_turned_off(monkeypatch):
     """12: warm=False or SPAWN_WARM=0 spawns every rank from the caller; warm ranks are the server's children."""
     monkeypatch.delenv("SPAWN_WARM", raising=False)
@@ -848,6 +864,7 @@ def _tcp_listeners(pid):
     return [row[1] for row in rows if row[3] == "0A" and row[9] in inodes]
 
 
+@pytest.mark.one_start_method
 def test_the_warm_server_listens_on_no_port_and_dies_with_its_owner():
     """12: between calls the warm server holds no TCP listener; SIGKILL its owner and it is gone in seconds."""
     owner = subprocess.Popen(_python(WARM_OWNER_SCRIPT), cwd=REPO, env=_subprocess_env(), text=True,
