@@ -1,10 +1,13 @@
 """The notebook pipeline: student copies generated from the solutions and kept in sync, student
 copies that stop exactly at the exercises, and every solution running under torchrun and with the
 spawn start method."""
+import contextlib
+import io
 import os
 import subprocess
 import sys
 import time
+import types
 
 import nbformat
 import pytest
@@ -80,8 +83,11 @@ def test_student_copy_drops_answers_outputs_and_counts_and_keeps_the_rest():
 
 
 def run_cli(root, *args):
-    return subprocess.run([sys.executable, "-m", "utils.notebooks", "--root", str(root), *args],
-                          capture_output=True, text=True, cwd=ROOT)
+    """`python -m utils.notebooks --root root args...`, in this process (a subprocess per call cost seconds)."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        returncode = notebooks.main(["--root", str(root), *args])
+    return types.SimpleNamespace(returncode=returncode, stdout=output.getvalue())
 
 
 def test_check_fails_and_names_the_notebook_until_regenerated(tmp_path):
@@ -182,10 +188,12 @@ def test_solution_runs_with_the_spawn_start_method_on_two_ranks(name):
     assert not failed, f"{name}: {failed[0][1][:2000]}"
 
 
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
-    """Every cell as a script under torchrun; the timing cells only in the (slow) 4-rank run."""
+    """Every cell as a script under torchrun; the timing cells only in the 4-rank run. (Slow: the default run
+    has WORLD_SIZE=2 through the notebook, and tests/test_launch.py's torchrun test of spawn itself.)"""
     script = tmp_path / name.replace(".ipynb", ".py")
     timing = [] if nproc == 4 else ["--no-timing"]
     assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script), *timing]) == 0
