@@ -9,7 +9,7 @@ from utils.checks import TOLERANCE, max_abs_diff
 from utils.checks.fsdp import check_fsdp, check_memory, check_prefetch, check_zero1, check_zero2
 from utils.launch import spawn
 from utils.memory import formula_bytes
-from utils.model import build_mlp, local_batch, loss_fn, make_batch, train_reference
+from utils.model import Sizes, build_mlp, local_batch, loss_fn, make_batch, train_reference
 from utils.notebooks import solution
 
 HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS = 8, 3, 4, 2
@@ -52,7 +52,7 @@ def sgd_zero_main(rank, world_size, Zero, sizes):
 
 @pytest.mark.parametrize("name", ["Zero1AdamW", "Zero2AdamW"])
 def test_zero_takes_an_optimizer_class_and_its_arguments(name):
-    sizes = fsdp.Sizes(HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
+    sizes = Sizes(HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
     want = train_reference(HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS, "sgd", lr=0.1)[0]
     for weights in spawn(sgd_zero_main, 2, getattr(SOL, name), sizes):
         assert all(max_abs_diff(got, w) < TOLERANCE for got, w in zip(weights, want))

@@ -48,16 +48,6 @@ def check_sizes(batch_size, world_size, num_micro_batches=1):
     return local_batch_size
 
 
-@dataclasses.dataclass
-class Sizes:
-    hidden_dim: int
-    num_layers: int
-    batch_size: int
-    num_steps: int
-    seed: int = 0
-    model: str = "mlp"  # or "awkward"
-
-
 def build_model(sizes, seed, dtype=torch.float64):
     if sizes.model == "awkward":
         return build_awkward_model(sizes.hidden_dim, seed, dtype)

@@ -290,15 +290,6 @@ class Job:
     dtype: torch.dtype = torch.float64
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    hidden_dim: int
-    num_layers: int
-    batch_size: int
-    num_steps: int
-    seed: int = 0
-
-
 @dataclasses.dataclass
 class Built:
     """A model ready to train: `optimized` are the tensors the optimizer steps (shards, or whole weights),

@@ -6,6 +6,7 @@ with `train_reference`. So everything random here comes from its own generator, 
 bit for bit, whatever the global RNG state and in whatever order it builds them.
 """
 import contextlib
+import dataclasses
 import hashlib
 
 import torch
@@ -95,6 +96,18 @@ def make_batch(batch_size, hidden_dim, seed, step=0, dtype=torch.float64):
 
 
 EACH_RANK_SAME_ROWS = "each rank must get the same number of rows"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """A training run's sizes, as the notebooks' runs and checks pass them around."""
+
+    hidden_dim: int
+    num_layers: int
+    batch_size: int
+    num_steps: int
+    seed: int = 0
+    model: str = "mlp"  # or "awkward": build_awkward_model
 
 
 def local_batch(batch, rank, world_size):

@@ -14,7 +14,7 @@ from utils import data_parallel as dp
 from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff
 from utils.launch import spawn
-from utils.model import loss_fn
+from utils.model import Sizes, loss_fn
 
 FLOAT32_TOLERANCE = 1e-5  # relative: the awkward model's float32 `gate`, summed in another order, and
 # everything it touches after step 0 (the gate's float32 rounding reaches every float64 value)
@@ -24,11 +24,11 @@ AWKWARD = ("frozen.weight is frozen (requires_grad=False: no gradient, no hook),
 
 
 def _sizes(hidden_dim, num_layers, batch_size, num_steps, seed, model="mlp"):
-    return dp.Sizes(hidden_dim, num_layers, batch_size, num_steps, seed, model)
+    return Sizes(hidden_dim, num_layers, batch_size, num_steps, seed, model)
 
 
 def _both_models(sizes):
-    return [sizes, dp.Sizes(**{**vars(sizes), "model": "awkward"})]
+    return [sizes, Sizes(**{**vars(sizes), "model": "awkward"})]
 
 
 def _run_main(rank, world_size, jobs):

@@ -14,10 +14,10 @@ import torch
 
 from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff
-from utils.fsdp import Job, Sizes, Student
+from utils.fsdp import Job, Student
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.memory import formula_bytes
-from utils.model import build_awkward_model, build_mlp, local_batch, loss_fn, make_batch, train_steps
+from utils.model import Sizes, build_awkward_model, build_mlp, local_batch, loss_fn, make_batch, train_steps
 from utils.sizes import check_int
 
 LABELS = {"zero1": "Zero1AdamW", "zero2": "Zero2AdamW", "fsdp": "the naive FSDP", "ddp": "DDP",

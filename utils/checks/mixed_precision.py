@@ -18,7 +18,7 @@ from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
 from utils.intercept import intercept
 from utils.launch import spawn
 from utils.mixed_precision import SHORT, SavedActivations, activation_bytes_formula, check_dtype, one_thread
-from utils.model import build_mlp, local_batch, loss_fn, make_batch, make_optimizer
+from utils.model import Sizes, build_mlp, local_batch, loss_fn, make_batch, make_optimizer
 from utils.sizes import check_int
 
 LOW_PRECISION_TOLERANCE = 1e-6  # on fp32 master weights after a few SGD steps: another rounding of a bf16/fp16
@@ -197,15 +197,6 @@ def _compare(got, want, label, tolerance):
         hint = _step_hint(got, want, step, tolerance)
         if hint is not None:
             raise AssertionError(f"{label}: step {step}: {hint}")
-
-
-@dataclasses.dataclass
-class Sizes:
-    hidden_dim: int
-    num_layers: int
-    batch_size: int
-    num_steps: int
-    seed: int
 
 
 def check_mixed_precision_step(DynamicLossScaler, mixed_precision_step, hidden_dim, num_layers, batch_size,
