@@ -38,6 +38,8 @@ from utils.model import (
     loss_fn,
     make_batch,
     make_optimizer,
+    step_batches,
+    train,
 )
 from utils.sizes import check_int, divide
 from utils.tensor_parallel import local_part
@@ -354,26 +356,34 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
     tracker = MemoryTracker(lambda: built.held, built.optimizer, clock=built.timeline,
                             phase=lambda: (built.timeline().step, built.timeline().phase))
     built.uses.which_gather = tracker.gather_calls.get
-    first_grads, losses, after = [], [], {}
+    first_grads, after = [], {}
 
     def keep_first_gradients(*args):
         if not first_grads:
             first_grads.extend(_grads(built.optimized))
 
+    @contextlib.contextmanager
+    def each_step(step):
+        built.timeline.enter(step=step, phase="forward", unit=None)
+        yield
+
+    def forward_backward(model, batch):
+        loss = loss_fn(model(batch))
+        built.timeline.enter(phase="backward", unit=None)
+        loss.backward()
+        return loss
+
+    def after_backward():  # what the rank holds between backward and the optimizer step
+        if built.timeline().step == track_step and job.version not in PYTORCH:
+            after.update(state=tracker.now()[0], whole=sum(p.grad is not None for p in built.model.parameters()))
+        built.timeline.enter(phase="optimizer", unit=None)
+
     hook = inner_optimizer(built.optimizer).register_step_pre_hook(keep_first_gradients)
     with tracker if job.version not in PYTORCH else contextlib.nullcontext():  # PyTorch's: only the weights
-        for step in range(sizes.num_steps):
-            built.timeline.enter(step=step, phase="forward", unit=None)
-            batch = make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, job.dtype)
-            loss = loss_fn(built.model(local_batch(batch, rank, world_size)))
-            built.timeline.enter(phase="backward", unit=None)
-            loss.backward()
-            if step == track_step and job.version not in PYTORCH:
-                after = dict(state=tracker.now()[0], whole=sum(p.grad is not None for p in built.model.parameters()))
-            built.timeline.enter(phase="optimizer", unit=None)
-            built.optimizer.step()
-            built.optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train(built.model, built.optimizer,
+                       step_batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, rank, world_size,
+                                    job.dtype),
+                       forward_backward=forward_backward, synchronize=after_backward, watch=each_step)
     hook.remove()
     weights = [(p.full_tensor() if job.version == "fsdp2" else p).detach().clone() for p in built.model.parameters()]
     calls = [c for c in tracker.calls if c.started_at.step == track_step]
