@@ -10,11 +10,13 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from utils.model import build_mlp, local_batch, loss_fn, make_batch, make_optimizer
+from utils.model import build_mlp, loss_fn, make_optimizer, step_batches, train
 
 
 def train_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
@@ -24,20 +26,16 @@ def train_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", 
 
     from utils import data_parallel as dp
 
-    dp.check_sizes(sizes.batch_size, world_size, num_micro_batches)
-    model = DDP(dp.build_model(sizes, sizes.seed + dp.START_SEED_STRIDE * rank, dtype))
-    opt = make_optimizer(model.parameters(), optimizer)
-    for step in range(sizes.num_steps):
-        batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank, world_size)
+    def forward_backward(model, batch):
         chunks = batch.chunk(num_micro_batches)
         for i, micro_batch in enumerate(chunks):
-            if i < len(chunks) - 1:
-                with model.no_sync():
-                    (loss_fn(model(micro_batch)) / num_micro_batches).backward()
-            else:
+            with model.no_sync() if i < len(chunks) - 1 else contextlib.nullcontext():
                 (loss_fn(model(micro_batch)) / num_micro_batches).backward()
-        opt.step()
-        opt.zero_grad()
+
+    dp.check_sizes(sizes.batch_size, world_size, num_micro_batches)
+    model = DDP(dp.build_model(sizes, sizes.seed + dp.START_SEED_STRIDE * rank, dtype))
+    batches = step_batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, rank, world_size, dtype)
+    train(model, make_optimizer(model.parameters(), optimizer), batches, forward_backward=forward_backward)
     return dp.state(model.module)
 
 
@@ -101,13 +99,9 @@ def train_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, b
     pp.check_sizes(num_layers, world_size, batch_size, num_micro_batches)
     module, schedule = pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches,
                                          seed, dtype)
-    opt = make_optimizer(module.parameters(), optimizer)
-    losses = []
-    for step in range(num_steps):
-        loss = pipeline_step(module, schedule, make_batch(batch_size, hidden_dim, seed, step, dtype))
-        opt.step()
-        opt.zero_grad()
-        losses.append(None if loss is None else float(loss))
+    losses = train(module, make_optimizer(module.parameters(), optimizer),
+                   step_batches(batch_size, hidden_dim, seed, num_steps, dtype=dtype),
+                   forward_backward=lambda module, batch: pipeline_step(module, schedule, batch))
     return pp.PytorchRun(pp.weights(module), losses, schedule_name)
 
 
