@@ -6,13 +6,13 @@
     calls(log, "all_reduce")        # how many all-reduces
 
 Each entry of the log is a `utils.intercept.Call` (name, nbytes, blocking, ...). Checks also use it
-to forbid calls: `record_communication(forbid=COLLECTIVES)` makes an exercise that must be built
+to forbid calls: `record_communication(forbid=utils.intercept.COLLECTIVES)` makes an exercise that must be built
 from send/recv fail loudly if it calls dist.all_reduce instead.
 
 `bytes_written()` is the other count: what the process really wrote to its sockets, so what gloo
 sent on the wire, whatever the algorithm inside the collective.
 """
-from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept, tensor_bytes  # noqa: F401 (re-exported)
+from utils.intercept import SENDS, intercept
 
 
 def record_communication(forbid=()):

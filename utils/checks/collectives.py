@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
-from utils.counting import COLLECTIVES, RECEIVES, SENDS, bytes_sent, intercept
+from utils.counting import bytes_sent
+from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
 from utils.launch import runnable_world_sizes, spawn
 
 RING_DTYPES = (torch.float64, torch.float32, torch.int64)
