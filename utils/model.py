@@ -178,7 +178,7 @@ def train(model, optimizer, batches, *, forward_backward=forward_backward, synch
                                                 the gradients' all-reduces
       watch(step)                               a context manager around one whole step, or None: e.g.
                                                 a memory tracker, a communication log
-    Returns the losses by step, as floats (None where forward_backward returned None)."""
+    Returns the losses by step (see `loss_value`)."""
     losses = []
     for step, batch in enumerate(batches):
         with watch(step) if watch is not None else contextlib.nullcontext():
@@ -187,8 +187,21 @@ def train(model, optimizer, batches, *, forward_backward=forward_backward, synch
                 synchronize()
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(None if loss is None else loss.item())
+        losses.append(loss_value(loss))
     return losses
+
+
+def loss_value(loss):
+    """A one-element loss tensor as a float; anything else (None on a pipeline stage without the loss, or a
+    student's wrong return value, such as a whole activation) as it is, detached, for a check to name."""
+    if isinstance(loss, torch.Tensor):
+        return loss.item() if loss.numel() == 1 else loss.detach()
+    return loss
+
+
+def detached_parameters(module):
+    """Copies of `module`'s parameters, detached: its weights at this moment."""
+    return [p.detach().clone() for p in module.parameters()]
 
 class AwkwardModel(nn.Module):
     """What the course's MLP lacks, in one small model, for the checks of notebooks 02 and 05:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from utils.intercept import intercept
-from utils.model import Layer, layer_weight, make_batch, make_optimizer
+from utils.model import Layer, detached_parameters, layer_weight, make_batch, make_optimizer, step_batches, train
 from utils.sizes import check_int, divide
 
 
@@ -180,38 +180,33 @@ class PipelineRun:
         return max(step.peak_alive for step in self.steps)
 
 
-def _as_loss(value):
-    """A returned loss as a float; anything else (None, a whole activation) as it is, for the check to name."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.detach()
-    return value
-
-
-def weights(module):
-    return [p.detach().clone() for p in module.parameters()]
-
-
 def train_pipeline(rank, world_size, schedule, *, hidden_dim, num_layers, batch_size, num_steps,
                    num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64, after_step=None):
-    """One rank's run of `num_steps` steps of `schedule`, each step recorded: a PipelineRun.
-    `after_step(record)`, if given, sees each step's StepRecord on this rank as soon as the step ends."""
+    """One rank's run of `num_steps` steps of `schedule` (the course's loop, `utils.model.train`), each step
+    recorded: a PipelineRun. `after_step(record)`, if given, sees each step's StepRecord on this rank as soon as
+    the step ends."""
     check_sizes(num_layers, world_size, batch_size, num_micro_batches)
     stage = build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
     opt = make_optimizer(stage.parameters(), optimizer)
     run = PipelineRun(weights=[], grads=None, losses=[], steps=[])
-    for step in range(num_steps):
-        batch = make_batch(batch_size, hidden_dim, seed, step, dtype)  # every stage knows the shapes
-        with record_step(stage) as record:
-            loss = schedule(stage, batch, num_micro_batches)
+
+    def keep_first_gradients(*_):
         if run.grads is None:
             run.grads = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
-        opt.step()
-        opt.zero_grad()
-        run.losses.append(_as_loss(loss))
+
+    @contextlib.contextmanager
+    def recorded(step):
+        with record_step(stage) as record:
+            yield
         run.steps.append(record)
         if after_step is not None:
             after_step(record)
-    run.weights = weights(stage)
+
+    opt.register_step_pre_hook(keep_first_gradients)
+    batches = step_batches(batch_size, hidden_dim, seed, num_steps, dtype=dtype)  # every stage knows the shapes
+    run.losses = train(stage, opt, batches, watch=recorded,
+                       forward_backward=lambda stage, batch: schedule(stage, batch, num_micro_batches))
+    run.weights = detached_parameters(stage)
     return run
 
 

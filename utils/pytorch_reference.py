@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from utils.model import build_mlp, loss_fn, make_optimizer, step_batches, train
+from utils.model import build_mlp, detached_parameters, loss_fn, make_optimizer, step_batches, train
 
 
 def train_ddp(rank, world_size, *, sizes, num_micro_batches=1, optimizer="sgd", dtype=torch.float64):
@@ -102,7 +102,7 @@ def train_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, b
     losses = train(module, make_optimizer(module.parameters(), optimizer),
                    step_batches(batch_size, hidden_dim, seed, num_steps, dtype=dtype),
                    forward_backward=lambda module, batch: pipeline_step(module, schedule, batch))
-    return pp.PytorchRun(pp.weights(module), losses, schedule_name)
+    return pp.PytorchRun(detached_parameters(module), losses, schedule_name)
 
 
 def zero_redundancy_optimizer(params, optimizer_class=torch.optim.AdamW, **defaults):
