@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from utils.checks.mixed_precision import (
     check_loss_scaler,
+    check_mixed_precision_fsdp,
     check_mixed_precision_step,
     check_recompute,
     check_reduce_dtype,
@@ -26,6 +27,8 @@ def run_check(exercise, sol, world_size=3, **sizes):
         check_mixed_precision_step(sol.DynamicLossScaler, sol.mixed_precision_step, num_steps=4, **sizes)
     elif exercise == "reduce":
         check_reduce_dtype(sol.average_gradients, world_size, **sizes)
+    elif exercise == "fsdp":
+        check_mixed_precision_fsdp(sol.MixedPrecisionLinear, sol.all_gather_unit, world_size, num_steps=3, **sizes)
     else:
         check_recompute(sol.recompute, **sizes)
 
@@ -35,9 +38,9 @@ def run_check(exercise, sol, world_size=3, **sizes):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_right_answers_pass(world_size, capsys):
     sol = solution(NOTEBOOK)
-    for exercise in ("scaler", "step", "reduce", "recompute"):
+    for exercise in ("scaler", "step", "reduce", "fsdp", "recompute"):
         run_check(exercise, sol, world_size)
-    assert capsys.readouterr().out.count("correct") == 4
+    assert capsys.readouterr().out.count("correct") == 5
 
 
 def test_right_answers_pass_at_other_sizes():
@@ -45,6 +48,7 @@ def test_right_answers_pass_at_other_sizes():
     run_check("reduce", sol, 4, hidden_dim=5, num_layers=1, batch_size=8)
     run_check("step", sol, hidden_dim=5, num_layers=1, batch_size=3, seed=2)
     run_check("recompute", sol, hidden_dim=5, num_layers=6, batch_size=1, seed=1)
+    run_check("fsdp", sol, 4, hidden_dim=5, num_layers=1, batch_size=8, seed=1)
 
 
 # ---------------------------------------------------------------- the catalogue of wrong answers
@@ -64,6 +68,14 @@ MEAN = "        p.grad.copy_(grad.to(p.grad.dtype) / world_size)\n"
 SAVE = "        ctx.save_for_backward(x)\n        return block(x)\n"
 RERUN = "        with torch.enable_grad():\n            out = ctx.block(x)\n"
 RETURN = "        return (None, *grads)\n"
+GATHER = ("    low = shard.to(param_dtype)\n    full = torch.empty(world_size * shard.numel(), dtype=param_dtype)\n"
+          "    dist.all_gather_single(full, low)\n    return fsdp.unpad(full, shape)\n")
+GATHER_FP32 = ("    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype)\n"
+               "    dist.all_gather_single(full, shard)\n")
+REDUCE_IN = "reduce_scatter_gradient(grad_output.T @ x, ctx.reduce_dtype)"
+FREE_FORWARD = "        out = x @ weight.T\n        fsdp.free(weight)\n"
+AVERAGE = "    return shard / world_size\n"
+CAST_INPUT = "        x = x.to(weight.dtype)\n"
 
 CATALOGUE = {
     # DynamicLossScaler
@@ -113,6 +125,21 @@ CATALOGUE = {
         "    return Recompute.apply(check_recomputable(block), x, *block.parameters())":
         "    block(x)\n    return Recompute.apply(check_recomputable(block), x, *block.parameters())"},
         "once in forward"),
+    # mixed-precision FSDP
+    "gathers in fp32 (no cast)": ("fsdp", {GATHER: GATHER_FP32 + "    return fsdp.unpad(full, shape)\n"},
+                                  "all-gathered in fp32"),
+    "casts after the all-gather": ("fsdp", {
+        GATHER: GATHER_FP32 + "    return fsdp.unpad(full, shape).to(param_dtype)\n"}, "before the all-gather"),
+    "reduce-scatters in bf16": ("fsdp", {REDUCE_IN: "reduce_scatter_gradient(grad_output.T @ x, grad_output.dtype)"},
+                                "reduce-scattered in bf16"),
+    "casts the shard itself (master weights lost)": ("fsdp", {
+        "        weight = gather(\"forward\")\n        x = x.to(weight.dtype)\n":
+        "        shard.data = shard.data.to(torch.bfloat16)\n        weight = gather(\"forward\")\n"
+        "        x = x.to(weight.dtype)\n"}, "master weights are lost"),
+    "never frees the gathered bf16 weight": ("fsdp", {FREE_FORWARD: "        out = x @ weight.T\n"},
+                                             "free it with fsdp.free"),
+    "forgets the 1/N average": ("fsdp", {AVERAGE: "    return shard\n"}, "3 times too large"),
+    "does not cast the input": ("fsdp", {CAST_INPUT: ""}, "cast x to the weight's dtype"),
 }
 
 
@@ -143,3 +170,5 @@ def test_bad_input_is_refused_with_a_named_error():
         check_recomputable(nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(TypeError, match="growth_interval must be an int"):
         sol.DynamicLossScaler(8.0, 2.5)
+    with pytest.raises(ValueError, match="not divisible by world size 4"):
+        check_mixed_precision_fsdp(sol.MixedPrecisionLinear, sol.all_gather_unit, 4, 8, 2, 6, 2)

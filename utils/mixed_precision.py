@@ -7,14 +7,23 @@
     SavedActivations(model)           bytes autograd saves for backward, parameters left out
     check_dtype / check_loss_scale / check_recomputable: bad input fails before any rank starts
     one_thread()                      tiny tensors: one thread, no threads waiting on each other
+    fsdp_runs_main, mixed_precision_reference, train_fsdp2_mixed_precision, fsdp2_memory_main
+                                      section 4: mixed-precision FSDP, the reference, FSDP2, both trackers
+    model_state_formulas, activation_bytes_per_parameter, measured_activation_bytes
+                                      section 6: where the bytes go
 """
 import contextlib
+import copy
 import dataclasses
+import functools
 import math
 
 import torch
 
-from utils.model import generator
+from utils import fsdp, pytorch_reference
+from utils.bench import interleaved_seconds
+from utils.memory import FP32, MIXED, MemoryTracker
+from utils.model import build_mlp, generator, local_batch, loss_fn, make_batch, step_batches, train
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 DTYPES = (torch.float32, *LOW_PRECISION)
@@ -151,3 +160,206 @@ def cpu_bf16_flags():
     except OSError:
         return None
     return {flag: flag in flags for flag in BF16_FLAGS}
+
+
+# ---------------------------------------------------------------- mixed-precision FSDP (section 4)
+#
+# Notebook 05's FSDP (utils.fsdp.build_fsdp_mlp) with the notebook's own pieces: the layers keep fp32 shards
+# (the master weights the optimizer steps), all_gather_unit(shard, shape, param_dtype) gathers a copy cast to
+# param_dtype, and the layer's autograd function computes in the gathered dtype and reduce-scatters its weight's
+# gradient in the shard's dtype (fp32: FSDP2's reduce_dtype).
+
+def fsdp_student(FSDPLinear, all_gather_unit, param_dtype):
+    """The notebook's code as utils.fsdp's runs take it: all_gather_unit bound to `param_dtype`."""
+    gather = functools.partial(all_gather_unit, param_dtype=param_dtype)
+    return fsdp.Student(FSDPLinear=FSDPLinear, all_gather_unit=gather)
+
+
+def fsdp_job():
+    return fsdp.Job("fsdp", dtype=torch.float32)  # the shards (and the batches) in fp32
+
+
+def fsdp_runs_main(rank, world_size, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2=True):
+    """(a utils.fsdp.Run of the notebook's FSDP for each param_dtype, FSDP2's run with a MixedPrecisionPolicy
+    or None), on this rank."""
+    runs = [fsdp.train_and_record(rank, world_size, fsdp_job(), fsdp_student(FSDPLinear, all_gather_unit, dtype), sizes)
+            for dtype in param_dtypes]
+    return runs, train_fsdp2_mixed_precision(rank, world_size, sizes) if fsdp2 else None
+
+
+@dataclasses.dataclass
+class Fsdp2Run:
+    weights: list  # the full weights after the run (fp32)
+    losses: list  # this rank's loss by step
+    output_dtype: torch.dtype
+    grad_dtypes: list  # the sharded gradients' dtypes
+
+
+def train_fsdp2_mixed_precision(rank, world_size, sizes, param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+    """PyTorch's FSDP2 with MixedPrecisionPolicy(param_dtype, reduce_dtype), AdamW, the course's batches."""
+    model = pytorch_reference.fully_shard_mlp_mixed_precision(world_size, sizes.hidden_dim, sizes.num_layers,
+                                                              sizes.seed, param_dtype, reduce_dtype)
+    seen = {}
+
+    def forward_backward(model, batch):
+        output = model(batch)
+        loss = loss_fn(output)
+        loss.backward()
+        seen.setdefault("output", output.dtype)
+        seen.setdefault("grads", [p.grad.dtype for p in model.parameters()])
+        return loss
+
+    losses = train(model, torch.optim.AdamW(model.parameters(), **fsdp.ADAMW),
+                   step_batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, rank, world_size,
+                                torch.float32), forward_backward=forward_backward)
+    weights = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return Fsdp2Run(weights, losses, seen["output"], seen["grads"])
+
+
+@dataclasses.dataclass
+class Reference:
+    first_grads: list  # step 0's averaged gradients (fp32), whole
+    local_grads: list  # step 0's gradients of each rank's slice alone (fp32), by rank
+    weights: list  # the fp32 master weights after the run
+    losses: list  # rank 0's loss by step
+
+
+def mixed_precision_reference(sizes, world_size, param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+    """One process doing what mixed-precision FSDP does: each rank's slice through a `param_dtype` copy of the fp32
+    master weights, each gradient cast to `reduce_dtype`, summed over the ranks and divided by N, AdamW on the
+    master weights."""
+    master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    optimizer = torch.optim.AdamW(master.parameters(), **fsdp.ADAMW)
+    first_grads, local_grads, losses = None, [], []
+    for batch in step_batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, dtype=torch.float32):
+        low = copy.deepcopy(master).to(param_dtype)
+        total = [torch.zeros_like(p, dtype=reduce_dtype) for p in master.parameters()]
+        for rank in range(world_size):
+            low.zero_grad(set_to_none=True)
+            loss = loss_fn(low(local_batch(batch, rank, world_size).to(param_dtype)))
+            loss.backward()
+            total = [t + p.grad.to(reduce_dtype) for t, p in zip(total, low.parameters())]
+            if rank == 0:
+                losses.append(loss.item())
+            if first_grads is None:
+                local_grads.append([p.grad.to(torch.float32) for p in low.parameters()])
+        for p, t in zip(master.parameters(), total):
+            p.grad = (t / world_size).to(torch.float32)
+        if first_grads is None:
+            first_grads = [p.grad.clone() for p in master.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return Reference(first_grads, local_grads, [p.detach().clone() for p in master.parameters()], losses)
+
+
+def fsdp_bytes_per_step(calls):
+    """{collective: bytes handed to it} in one step's calls (utils.intercept.Call; an all-gather's nbytes is its
+    output's, a reduce-scatter's its output shard's)."""
+    totals = {"all_gather": 0, "reduce_scatter": 0}
+    for call in calls:
+        for name in totals:
+            if call.name.startswith(name):
+                totals[name] += call.nbytes
+    return totals
+
+
+def fsdp2_memory_main(rank, world_size, sizes):
+    """FSDP2 with MixedPrecisionPolicy(bf16, fp32) measured twice, on two steps alike (after a first that makes
+    AdamW's state): ({group: bytes} at the course tracker's peak (utils.memory), {category: bytes} at
+    FSDPMemTracker's peak, or the error FSDPMemTracker raised, as a string)."""
+    built = _fsdp2_mixed_precision_built(world_size, sizes)
+    batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, torch.float32), rank, world_size)
+    _step(built, batch)
+    with MemoryTracker(lambda: built.held, built.optimizer) as tracker:
+        _step(built, batch)
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        theirs = FSDPMemTracker(built.model, built.optimizer)
+        theirs.track_inputs((batch,))
+        with theirs:
+            _step(built, batch)
+        peak = next(iter(theirs.get_tracker_snapshot("peak").values()))
+        theirs = {str(getattr(k, "value", k)): v for k, v in peak.items()}
+    except Exception as e:  # say what failed, in one line
+        theirs = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return tracker.peak, theirs
+
+
+# ---------------------------------------------------------------- where the bytes go (section 6)
+
+def model_state_formulas():
+    """{(precision, version): bytes per parameter on N ranks as a utils.memory.Formula}: fp32 Adam and the ZeRO
+    paper's mixed precision (2 bf16 param + 2 bf16 grad + 12 fp32 master, momentum, variance)."""
+    return {**{("fp32", v): f for v, f in FP32.items()}, **{("mixed", v): f for v, f in MIXED.items()}}
+
+
+def activation_bytes_per_parameter(local_batch_size, hidden_dim, num_layers, element_size, recompute):
+    """The saved activations of one rank's forward (activation_bytes_formula), per parameter of the model."""
+    return activation_bytes_formula(local_batch_size, hidden_dim, num_layers, element_size, recompute) / (
+        num_layers * hidden_dim**2)
+
+
+def measured_activation_bytes(local_batch_size, hidden_dim, num_layers, dtype, recompute_layer=None, seed=0):
+    """What autograd saves for one rank's forward of the course MLP in `dtype` (SavedActivations), each layer run
+    as recompute_layer(layer, x) if given."""
+    model = build_mlp(hidden_dim, num_layers, seed, dtype)
+    x = make_batch(local_batch_size, hidden_dim, seed, 0, dtype)
+    with SavedActivations(model) as saved:
+        for layer in model.layers:
+            x = layer(x) if recompute_layer is None else recompute_layer(layer, x)
+        loss_fn(x)
+    return saved.nbytes
+
+
+def _fsdp2_mixed_precision_built(world_size, sizes):
+    """FSDP2 with MixedPrecisionPolicy(bf16, fp32) as a utils.fsdp.Built (what the step runners take)."""
+    model = pytorch_reference.fully_shard_mlp_mixed_precision(world_size, sizes.hidden_dim, sizes.num_layers,
+                                                              sizes.seed)
+    params = list(model.parameters())
+    return fsdp.Built(model, torch.optim.AdamW(params, **fsdp.ADAMW), params, params, fsdp.Timeline(), [])
+
+
+def build_versions(rank, world_size, versions, sizes, FSDPLinear=None, all_gather_unit=None):
+    """{name: utils.fsdp.Built} for each (name, version): utils.fsdp's versions ("ddp", "zero-pytorch", "fsdp2"),
+    the notebook's FSDP ("fsdp fp32", "fsdp bf16": param_dtype), or "fsdp2 mixed" (FSDP2 with a
+    MixedPrecisionPolicy)."""
+    built = {}
+    for name, version in versions:
+        if version == "fsdp2 mixed":
+            built[name] = _fsdp2_mixed_precision_built(world_size, sizes)
+        elif version.startswith("fsdp "):
+            dtype = {"fsdp fp32": torch.float32, "fsdp bf16": torch.bfloat16}[version]
+            built[name] = fsdp.build_version(fsdp_job(), fsdp_student(FSDPLinear, all_gather_unit, dtype), rank,
+                                             world_size, sizes)
+        else:
+            built[name] = fsdp.build_version(fsdp.Job(version, dtype=torch.float32), fsdp.Student(), rank,
+                                             world_size, sizes)
+    return built
+
+
+def _step(built, batch):
+    loss_fn(built.model(batch)).backward()
+    built.optimizer.step()
+    built.optimizer.zero_grad()
+
+
+def model_state_peaks_main(rank, world_size, versions, sizes, FSDPLinear=None, all_gather_unit=None):
+    """{name: {group: bytes}} at the peak of a step (the second: AdamW's state exists from the first on), measured
+    by utils.memory.MemoryTracker, for each (name, version) of build_versions."""
+    batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, torch.float32), rank, world_size)
+    peaks = {}
+    for name, built in build_versions(rank, world_size, versions, sizes, FSDPLinear, all_gather_unit).items():
+        _step(built, batch)
+        with MemoryTracker(lambda held=built.held: held, built.optimizer) as tracker:
+            _step(built, batch)
+        peaks[name] = tracker.peak
+    return peaks
+
+
+def step_seconds_main(rank, world_size, versions, sizes, FSDPLinear=None, all_gather_unit=None, repeat=3):
+    """{name: median seconds per step, from the slowest rank}, the versions timed in turns (utils.bench)."""
+    batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, torch.float32), rank, world_size)
+    built = build_versions(rank, world_size, versions, sizes, FSDPLinear, all_gather_unit)
+    steps = {name: functools.partial(_step, b, batch) for name, b in built.items()}
+    return interleaved_seconds(steps, repeat=repeat, warmup=1)

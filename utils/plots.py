@@ -134,3 +134,58 @@ def plot_memory(rows, title):
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_running_sum_errors(counts, errors):
+    """errors: {format: [relative error of a running sum of counts[i] values]}, on log-log axes (notebook 06)."""
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for name, e in errors.items():
+        ax.loglog(counts, e, "o-", label=name)
+    ax.set_xlabel("values summed, one at a time")
+    ax.set_ylabel("relative error")
+    ax.legend()
+    fig.tight_layout()
+
+
+def plot_reduce_error(world_sizes, errors):
+    """The bf16 all-reduce's largest error relative to the largest gradient entry, against the world size."""
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(world_sizes, errors, "o-")
+    ax.set_xlabel("ranks")
+    ax.set_xticks(world_sizes)
+    ax.set_ylabel("max |bf16 mean - exact| / max |g|")
+    ax.set_title("bf16 all-reduce error vs world size")
+    fig.tight_layout()
+
+
+def plot_milliseconds(seconds, ylabel, title, figsize=(5, 3), colors=None):
+    """seconds: {name: median seconds}. One bar each, in milliseconds, in the order given."""
+    fig, ax = plt.subplots(figsize=figsize)
+    ax.bar(list(seconds), [s * 1e3 for s in seconds.values()], color=colors)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+
+
+def plot_bytes_per_parameter(rows, title):
+    """rows: [(label, state formula, state measured or None, {recompute: activations formula},
+    {recompute: activations measured})], in bytes per parameter. For each label two stacked bars, without and
+    with recomputation (model state, then activations, by the formula); the measured totals as black dots."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.38
+    for k, recompute in enumerate((False, True)):
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        states = [row[1] for row in rows]
+        activations = [row[3][recompute] for row in rows]
+        ax.bar(xs, states, width, color="tab:blue", label="model state (formula)" if k == 0 else None)
+        ax.bar(xs, activations, width, bottom=states, color="tab:orange" if recompute else "tab:red",
+               label=f"activations, {'with' if recompute else 'without'} recomputation (formula)")
+        measured = [(x, row[2] + row[4][recompute]) for x, row in zip(xs, rows) if row[2] is not None]
+        ax.scatter([x for x, _ in measured], [y for _, y in measured], color="black", zorder=3, s=18,
+                   label="measured (tracker + saved tensors)" if k == 0 else None)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([row[0] for row in rows], fontsize=8)
+    ax.set_ylabel("bytes per parameter, one rank")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing

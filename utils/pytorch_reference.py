@@ -130,3 +130,80 @@ def fully_shard_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.floa
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+
+# ---- notebook 08: checkpoints
+
+def fsdp2_with_adamw(world_size, hidden_dim, num_layers, seed=0, full_state=None, dtype=torch.float64):
+    """The course's MLP under FSDP2 with AdamW; given `full_state` (every rank: {"model": {name: tensor},
+    "optim": {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}}), set_state_dict shards it into them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from utils.fsdp import ADAMW
+
+    model = fully_shard_mlp(world_size, hidden_dim, num_layers, seed, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    if full_state is not None:
+        optim_state = {"state": full_state["optim"]["state"], "param_groups": optimizer.state_dict()["param_groups"]}
+        for group in optim_state["param_groups"]:  # state dicts name parameters by their fully qualified names
+            group["params"] = list(full_state["model"])
+        set_state_dict(model, optimizer, model_state_dict=full_state["model"], optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=True))
+    return model, optimizer
+
+
+def dcp_save(directory, model, optimizer):
+    """torch.distributed.checkpoint's save: get_state_dict gives the sharded state dicts (DTensors), dcp.save
+    writes each rank's shards and the metadata (.metadata) that lets any number of ranks load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+
+
+def dcp_load(directory, model, optimizer, full=True):
+    """dcp.load into an FSDP2 model and its AdamW on any number of ranks (DCP reshards), then set_state_dict;
+    returns the full state, as fsdp2_with_adamw takes it (with `full`: it all-gathers every tensor)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)  # what to load into (AdamW's state made)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if not full:
+        return None
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"model": model_state, "optim": {"state": optim_state["state"]}}
+
+
+# ---- notebook 07: DTensor, FSDP2
+
+def dtensor_redistribute(local, src, dst, shape, mesh=None):
+    """DTensor's own redistribute: this rank's `local` tensor of a DTensor of global `shape` with placement `src`
+    on the 1-D mesh of all ranks, moved to placement `dst`; returns the new local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    stride = torch.empty(shape, device="meta").stride()
+    dtensor = DTensor.from_local(local, mesh, [src], run_check=False, shape=torch.Size(shape), stride=stride)
+    return dtensor.redistribute(mesh, [dst]).to_local()
+
+
+# ---- notebook 06: mixed-precision FSDP
+
+def fully_shard_mlp_mixed_precision(world_size, hidden_dim, num_layers, seed=0, param_dtype=torch.bfloat16,
+                                    reduce_dtype=torch.float32):
+    """The course's MLP under FSDP2 with a MixedPrecisionPolicy. The sharded parameters stay fp32 (the
+    optimizer's master weights); each unit is cast to `param_dtype` before its all-gather and computes in it
+    (its inputs too); its gradient is cast to `reduce_dtype` before the reduce-scatter."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = build_mlp(hidden_dim, num_layers, seed, torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)

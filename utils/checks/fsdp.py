@@ -29,12 +29,12 @@ MODEL_NAMES = {"mlp": "the MLP", "awkward": "the awkward model", "embedded": "th
 FLOAT32_TOLERANCE = 1e-6
 
 
-def _sizes(hidden_dim, num_layers, batch_size, num_steps, seed):
+def checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed):
     return Sizes(check_int("hidden_dim", hidden_dim, 2), check_int("num_layers", num_layers),
                  check_int("batch_size", batch_size), check_int("num_steps", num_steps, 2), check_int("seed", seed, 0))
 
 
-def _configurations(world_size, sizes):
+def world_configurations(world_size, sizes):
     """The notebook's sizes, and ones whose units need padding (3 ranks, the next hidden dim whose square 3
     does not divide; under torchrun, torchrun's world size), each rank keeping its local batch size."""
     local_batch_size = fsdp.check_sizes(sizes.batch_size, world_size)
@@ -46,7 +46,7 @@ def _configurations(world_size, sizes):
             (other, Sizes(padded, sizes.num_layers, other * local_batch_size, sizes.num_steps, sizes.seed))]
 
 
-def _where(configurations):
+def ranks_and_sizes(configurations):
     h = [s.hidden_dim for _, s in configurations]
     return " and ".join(f"{n} ranks (hidden {h}: {h * h} elements per unit, "
                         f"{'padded to ' + str(n * fsdp.shard_numel(h * h, n)) if h * h % n else 'no padding'})"
@@ -118,7 +118,7 @@ def _verify_weights(label, runs, model, sizes, where, sharded):
                                      f"at the optimizer step and at how the shards get back into the weights)")
 
 
-def _verify_calls(label, runs, num_layers, expected):
+def verify_calls(label, runs, num_layers, expected):
     """expected: {collective: calls per step}; every other collective must be absent."""
     for rank, run in enumerate(runs):
         got = {name: sum(c.name.startswith(name) for c in run.calls) for name in ("all_reduce", "all_gather",
@@ -156,7 +156,7 @@ def _verify_whole_gradients_dropped(label, runs, where):
                                  f"(p.grad = None): that is the memory ZeRO-2 saves")
 
 
-def _verify_units(label, runs, want, where):
+def verify_units(label, runs, want, where):
     """Exactly `want` gathered units alive at most, in forward and in backward, each, in every step."""
     for rank, run in enumerate(runs):
         for (step, phase), got in run.units_by_phase.items():
@@ -214,7 +214,7 @@ def _check_zero(version, student, world_size, sizes, calls_per_layer):
     """ZeRO-1 or ZeRO-2 on the MLP and the awkward model; PyTorch's ZeroRedundancyOptimizer beside it (on the
     notebook's sizes: it is slow)."""
     label = LABELS[version]
-    configurations = _configurations(world_size, sizes)
+    configurations = world_configurations(world_size, sizes)
     for k, (n, run_sizes) in enumerate(configurations):
         jobs = [Job(version), Job(version, "awkward")] + ([Job("zero-pytorch")] if k == 0 else [])
         runs = dict(zip(jobs, _spawn_runs(jobs, student, n, run_sizes)))
@@ -222,7 +222,7 @@ def _check_zero(version, student, world_size, sizes, calls_per_layer):
             where = f"{label} on {n} ranks, {MODEL_NAMES[job.model]} (hidden {run_sizes.hidden_dim})"
             _verify_state_sharded(label, runs[job], job.model, run_sizes, where)
             if job.model == "mlp":
-                _verify_calls(label, runs[job], sizes.num_layers,
+                verify_calls(label, runs[job], sizes.num_layers,
                               {name: per_layer * sizes.num_layers for name, per_layer in calls_per_layer.items()})
             _verify_gradients(label, runs[job], job.model, run_sizes, where)
             _verify_weights(label, runs[job], job.model, run_sizes, where, sharded=False)
@@ -236,9 +236,10 @@ def _check_zero(version, student, world_size, sizes, calls_per_layer):
 
 def check_zero1(Zero1AdamW, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
     """ZeRO-1: gradients all-reduced, the optimizer on this rank's shards, shards all-gathered."""
-    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     done = _check_zero("zero1", Student(Zero1AdamW=Zero1AdamW), world_size, sizes, {"all_reduce": 1, "all_gather": 1})
-    print(f"Zero1AdamW: correct on {_where(done)}; the optimizer's state is exactly that of this rank's shards; "
+    print(f"Zero1AdamW: correct on {ranks_and_sizes(done)}; "
+          f"the optimizer's state is exactly that of this rank's shards; "
           f"the shards' gradients at step 0 are the whole batch's, and after {num_steps} AdamW steps every rank's "
           f"weights equal the single-process run's to {TOLERANCE:g} (so do PyTorch's ZeroRedundancyOptimizer's on "
           f"{world_size} ranks); per step "
@@ -248,10 +249,11 @@ def check_zero1(Zero1AdamW, world_size, hidden_dim, num_layers, batch_size, num_
 
 def check_zero2(Zero2AdamW, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
     """ZeRO-2: each gradient reduce-scattered in backward and the whole one dropped."""
-    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     done = _check_zero("zero2", Student(Zero2AdamW=Zero2AdamW), world_size, sizes,
                        {"reduce_scatter": 1, "all_gather": 1})
-    print(f"Zero2AdamW: correct on {_where(done)}; after {num_steps} steps the weights equal the single-process "
+    print(f"Zero2AdamW: correct on {ranks_and_sizes(done)}; "
+          f"after {num_steps} steps the weights equal the single-process "
           f"run's to {TOLERANCE:g}; per step {num_layers} reduce-scatters (no "
           f"all-reduce) and {num_layers} all-gathers; after backward no weight holds a whole gradient; the awkward "
           f"model trains right too, to {FLOAT32_TOLERANCE:g}")
@@ -259,21 +261,22 @@ def check_zero2(Zero2AdamW, world_size, hidden_dim, num_layers, batch_size, num_
 
 def check_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
     """The naive FSDP: gather, compute, free; gather again, reduce-scatter; against the reference and FSDP2."""
-    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     student = Student(FSDPLinear=FSDPLinear, all_gather_unit=all_gather_unit)
-    configurations = _configurations(world_size, sizes)
+    configurations = world_configurations(world_size, sizes)
     for k, (n, run_sizes) in enumerate(configurations):
         jobs = [Job("fsdp")] + ([Job("fsdp2")] if k == 0 else [])  # FSDP2 on the notebook's sizes
         runs = _spawn_runs(jobs, student, n, run_sizes)
         where = f"the naive FSDP on {n} ranks (hidden {run_sizes.hidden_dim})"
-        _verify_calls(LABELS["fsdp"], runs[0], num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
+        verify_calls(LABELS["fsdp"], runs[0], num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
         _verify_gradients(LABELS["fsdp"], runs[0], "mlp", run_sizes, where)
         _verify_weights(LABELS["fsdp"], runs[0], "mlp", run_sizes, where, sharded=True)
-        _verify_units(LABELS["fsdp"], runs[0], 1, where)
+        verify_units(LABELS["fsdp"], runs[0], 1, where)
         if k == 0:
             _verify_weights(LABELS["fsdp2"], runs[1], "mlp", run_sizes, f"{LABELS['fsdp2']} on {n} ranks",
                             sharded=False)
-    print(f"naive FSDP: correct on {_where(configurations)}; the shards' gradients at step 0 are the whole batch's, "
+    print(f"naive FSDP: correct on {ranks_and_sizes(configurations)}; "
+          f"the shards' gradients at step 0 are the whole batch's, "
           f"and after {num_steps} AdamW steps the gathered weights equal the single-process run's to "
           f"{TOLERANCE:g} (so do PyTorch FSDP2's on {world_size} ranks); per step {2 * num_layers} all-gathers "
           f"(each unit in forward and again in backward) and {num_layers} reduce-scatters; 1 gathered unit alive at "
@@ -324,7 +327,7 @@ def _print_memory(rows, world_size, sizes, dtype):
 def check_memory(Zero1AdamW, Zero2AdamW, FSDPLinear, all_gather_unit, world_size, hidden_dim, num_layers, batch_size,
                  seed=0, dtype=torch.float32):
     """The model state each version holds at the peak of a step, measured; returns {version: (peak, formula)}."""
-    sizes = _sizes(hidden_dim, num_layers, batch_size, 2, seed)
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, 2, seed)
     fsdp.check_sizes(batch_size, world_size)
     student = Student(Zero1AdamW, Zero2AdamW, FSDPLinear, all_gather_unit)
     runs = _spawn_runs([Job(v, dtype=dtype) for v in ("ddp", "zero1", "zero2", "fsdp")], student, world_size, sizes)
@@ -334,7 +337,7 @@ def check_memory(Zero1AdamW, Zero2AdamW, FSDPLinear, all_gather_unit, world_size
         _verify_state_sharded(LABELS[version], version_runs, "mlp", sizes, where, dtype)
     _verify_whole_gradients_dropped(LABELS["zero2"], runs[2], f"Zero2AdamW on {world_size} ranks")
     where = f"naive FSDP on {world_size} ranks"
-    _verify_units(LABELS["fsdp"], runs[3], 1, where)
+    verify_units(LABELS["fsdp"], runs[3], 1, where)
     sharded, unit = _verify_fsdp_peak(runs[3], sizes, e, where)
     rows = _memory_rows(runs, world_size, sizes, e)
     _print_memory(rows, world_size, sizes, dtype)
@@ -352,7 +355,7 @@ def check_prefetch(FSDPLinear, Prefetcher, world_size, hidden_dim, num_layers, b
     """Prefetching with a cap: the same weights as the reference; in forward and in backward, each, exactly
     1 + cap gathered units alive at most; every prefetched gather still in flight when its unit is asked for;
     no weight gathered before the last optimizer step. Also behind an embedding-like unit (no backward gather)."""
-    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     fsdp.check_sizes(batch_size, world_size)
     student = Student(FSDPLinear=FSDPLinear, Prefetcher=Prefetcher)
     jobs = [Job("fsdp", cap=cap) for cap in caps] + [Job("fsdp", "embedded", cap) for cap in caps if cap]
@@ -362,9 +365,9 @@ def check_prefetch(FSDPLinear, Prefetcher, world_size, hidden_dim, num_layers, b
         where = f"{label} on {world_size} ranks, {MODEL_NAMES[job.model]}"
         num_units = num_layers + (job.model == "embedded")
         if job.model == "mlp":
-            _verify_calls(label, runs, num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
+            verify_calls(label, runs, num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
         _verify_prefetches(label, runs, where)
-        _verify_units(label, runs, 1 + min(job.cap, num_units - 1), where)
+        verify_units(label, runs, 1 + min(job.cap, num_units - 1), where)
         _verify_gradients(label, runs, job.model, sizes, where)
         _verify_weights(label, runs, job.model, sizes, where, sharded=True)
         if job.model == "mlp":

@@ -5,6 +5,8 @@
   fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), and a step whose
   gradients hold an inf: skipped, scale halved;
 - check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
+- check_mixed_precision_fsdp: notebook 05's FSDP with bf16 all-gathers and fp32 reduce-scatters, every collective
+  and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy;
 - check_recompute: gradients bit for bit, and the bytes autograd saves, against the formula.
 """
 import copy
@@ -14,11 +16,22 @@ import math
 import torch
 import torch.distributed as dist
 
+from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
+from utils.checks.fsdp import checked_sizes, ranks_and_sizes, verify_calls, verify_units, world_configurations
 from utils.intercept import intercept
-from utils.launch import spawn
-from utils.mixed_precision import SHORT, SavedActivations, activation_bytes_formula, check_dtype, one_thread
-from utils.model import Sizes, build_mlp, local_batch, loss_fn, make_batch, make_optimizer
+from utils.launch import RankError, spawn
+from utils.mixed_precision import (
+    SHORT,
+    SavedActivations,
+    activation_bytes_formula,
+    check_dtype,
+    fsdp_bytes_per_step,
+    fsdp_runs_main,
+    mixed_precision_reference,
+    one_thread,
+)
+from utils.model import Sizes, build_mlp, detached_parameters, local_batch, loss_fn, make_batch, make_optimizer
 from utils.sizes import check_int
 
 LOW_PRECISION_TOLERANCE = 1e-6  # on fp32 master weights after a few SGD steps: another rounding of a bf16/fp16
@@ -109,10 +122,6 @@ def _batches(batch_size, hidden_dim, seed, num_steps, poison_step):
         yield batch
 
 
-def _snapshot(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _same(a, b):
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -121,7 +130,7 @@ def _run_student(step_fn, scaler, dtype, sizes, poison_step=None):
     master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
     model = copy.deepcopy(master).to(dtype)
     optimizer = make_optimizer(master.parameters(), "sgd")
-    run = Run([_snapshot(master)], [], [], [], [])
+    run = Run([detached_parameters(master)], [], [], [], [])
     for batch in _batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, poison_step):
         with torch.no_grad():  # the loss of this step's forward on the current master weights
             expected = loss_fn(copy.deepcopy(master).to(dtype)(batch.to(dtype))).item()
@@ -130,7 +139,7 @@ def _run_student(step_fn, scaler, dtype, sizes, poison_step=None):
         run.losses.append(float(loss))
         run.stepped.append(bool(did_step))
         run.scales.append(None if scaler is None else float(scaler.scale))
-        run.weights.append(_snapshot(master))
+        run.weights.append(detached_parameters(master))
     return run
 
 
@@ -141,7 +150,7 @@ def _run_reference(dtype, sizes, init_scale, poison_step=None, autocast=False):
     optimizer = make_optimizer(master.parameters(), "sgd")
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL,
                                   enabled=init_scale is not None)
-    run = Run([_snapshot(master)], [], [], [], [])
+    run = Run([detached_parameters(master)], [], [], [], [])
     for batch in _batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, poison_step):
         if autocast:
             with torch.autocast("cpu", dtype=dtype):
@@ -158,7 +167,7 @@ def _run_reference(dtype, sizes, init_scale, poison_step=None, autocast=False):
         scaler.step(optimizer)  # unscales (x 1/scale, exact for powers of two), skips on inf/NaN
         scaler.update()
         optimizer.zero_grad()
-        run.weights.append(_snapshot(master))
+        run.weights.append(detached_parameters(master))
         run.stepped.append(any(not torch.equal(a, b) for a, b in zip(run.weights[-2], run.weights[-1])))
         run.losses.append(loss.item())
         run.scales.append(scaler.get_scale() if init_scale is not None else None)
@@ -381,3 +390,128 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
         f"block's input (run the block under torch.no_grad() in forward), not what the block computes")
     print(f"recompute: correct; {num_layers} layers, loss and gradients equal the plain run's bit for bit, each "
           f"layer recomputed once in backward; saved {got_saved} bytes instead of {saved} (formula: {want})")
+
+
+# ---------------------------------------------------------------- mixed-precision FSDP
+
+FSDP_TOLERANCE = 1e-6  # relative; the stored run agrees bit for bit (the same bf16 products, fp32 sums of N terms)
+FSDP_ERRORS = [  # (words in a rank's error or its traceback, what they usually mean), the first that matches
+    ("optim/adam", "AdamW failed on a shard whose dtype changed under it: the master weights are lost. The shards "
+                   "are the fp32 master weights the optimizer steps: never cast them (shard.data = ...), cast a copy "
+                   "to param_dtype for the all-gather"),
+    ("expected both", "x and the gathered weight must have one dtype: cast x to the weight's dtype (param_dtype) "
+                      "before the matmul"),
+    ("same dtype", "x and the gathered weight must have one dtype: cast x to the weight's dtype (param_dtype) "
+                   "before the matmul"),
+    ("dtype", "the all-gather's input and output must have one dtype: cast the shard to param_dtype, gather into a "
+              "param_dtype buffer"),
+]
+
+
+def _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, sizes, fsdp2):
+    try:
+        by_rank = spawn(fsdp_runs_main, n, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2,
+                        timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        hint = next((h for words, h in FSDP_ERRORS if words in str(e)), "see the rank's error")
+        raise AssertionError(f"mixed-precision FSDP failed on {n} ranks: {hint}\n{e}") from e
+    runs = [[by_rank[r][0][j] for r in range(n)] for j in range(len(param_dtypes))]
+    return runs, by_rank[0][1]
+
+
+def _verify_master_shards(runs, where):
+    for rank, run in enumerate(runs):
+        dtypes = {str(w.dtype) for w in run.weights} | {str(g.dtype) for g in run.first_grads if g is not None}
+        if dtypes != {"torch.float32"}:
+            raise AssertionError(f"{where}: on rank {rank}, the shards the optimizer steps (or their gradients) are "
+                                 f"{', '.join(sorted(dtypes))}: the master weights are lost. Keep each shard fp32 and "
+                                 f"cast a copy to param_dtype for the all-gather")
+
+
+def _verify_collective_dtypes(runs, unit_numel, shard_numel, where):
+    """Every all-gather fills a bf16 unit (2 bytes per element); every reduce-scatter leaves an fp32 shard."""
+    for rank, run in enumerate(runs):
+        for call in run.calls:
+            if call.name.startswith("all_gather") and call.nbytes != 2 * unit_numel:
+                said = "fp32" if call.nbytes == 4 * unit_numel else f"{call.nbytes} bytes"
+                raise AssertionError(f"{where}: on rank {rank}, an all-gather filled {said} ({call.nbytes} bytes for "
+                                     f"{unit_numel} elements), not bf16 ({2 * unit_numel}): all-gathered in fp32; "
+                                     f"cast the shard to param_dtype before the all-gather (half the bytes), not "
+                                     f"after it")
+            if call.name.startswith("reduce_scatter") and call.nbytes != 4 * shard_numel:
+                said = "bf16" if call.nbytes == 2 * shard_numel else f"{call.nbytes} bytes"
+                raise AssertionError(f"{where}: on rank {rank}, a reduce-scatter left a {said} shard ({call.nbytes} "
+                                     f"bytes for {shard_numel} elements), not fp32: reduce-scattered in bf16; cast the "
+                                     f"gradient to reduce_dtype (fp32) before the reduce-scatter: a sum kept in bf16 "
+                                     f"rounds at every addition (section 3)")
+
+
+def _close(got, want):
+    return got.shape == want.shape and max_abs_diff(got, want) <= FSDP_TOLERANCE * max(1e-30, want.abs().max().item())
+
+
+def _verify_against_reference(runs, reference, sizes, where):
+    n = len(runs)
+    for rank, run in enumerate(runs):
+        for i, (got, whole) in enumerate(zip(run.first_grads, reference.first_grads)):
+            want = fsdp.shard(whole, rank, n)
+            if got is None or not _close(got, want):
+                hint = diagnose_gradient(got, want, fsdp.shard(reference.local_grads[rank][i], rank, n), n)
+                raise AssertionError(f"{where}: at step 0, rank {rank}'s shard of layer {i}'s gradient is not the "
+                                     f"reference's (bf16 products, summed in fp32, divided by {n}); {hint}")
+    weights = fsdp.gather_shards([run.weights for run in runs], [w.shape for w in reference.weights])
+    for i, (got, want) in enumerate(zip(weights, reference.weights)):
+        if not _close(got, want):
+            raise AssertionError(f"{where}: after {sizes.num_steps} AdamW steps, layer {i}'s gathered weight differs "
+                                 f"from the reference's by {max_abs_diff(got, want):.3g}, though step 0's gradients "
+                                 f"were right: the optimizer must step the fp32 shards")
+    if not all(_close(torch.tensor(a), torch.tensor(b)) for a, b in zip(runs[0].losses, reference.losses)):
+        raise AssertionError(f"{where}: rank 0's losses {runs[0].losses} differ from the reference's "
+                             f"{reference.losses}: compute the forward in bf16 (x and the gathered weight)")
+    return all(torch.equal(g, w) for g, w in zip(weights, reference.weights))
+
+
+def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                               seed=0):
+    """Mixed-precision FSDP: fp32 shards; all-gathers in bf16 (exactly half the fp32 run's bytes); reduce-scatters
+    in fp32; one gathered unit alive at most; against the single-process cast reference and FSDP2 with
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Returns {"bf16": bytes, "fp32": bytes} all-gathered
+    per step on rank 0."""
+    sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    configurations = world_configurations(world_size, sizes)
+    exact, gathered = True, {}
+    for k, (n, run_sizes) in enumerate(configurations):
+        where = f"mixed-precision FSDP on {n} ranks (hidden {run_sizes.hidden_dim})"
+        param_dtypes = [torch.bfloat16] + ([torch.float32] if k == 0 else [])
+        runs, fsdp2 = _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, run_sizes, k == 0)
+        unit = run_sizes.hidden_dim**2
+        shard = fsdp.shard_numel(unit, n)
+        _verify_master_shards(runs[0], where)
+        verify_calls("mixed-precision FSDP", runs[0], num_layers, {"all_gather": 2 * num_layers,
+                                                                     "reduce_scatter": num_layers})
+        _verify_collective_dtypes(runs[0], n * shard, shard, where)
+        verify_units("mixed-precision FSDP", runs[0], 1, where)
+        reference = mixed_precision_reference(run_sizes, n)
+        exact &= _verify_against_reference(runs[0], reference, run_sizes, where)
+        if k == 0:
+            gathered = {name: fsdp_bytes_per_step(r[0].calls)["all_gather"] for name, r in zip(("bf16", "fp32"), runs)}
+            assert gathered["bf16"] * 2 == gathered["fp32"], (
+                f"{where}: all-gathered {gathered['bf16']} bytes per step in bf16, {gathered['fp32']} with "
+                f"param_dtype=torch.float32: bf16 must be exactly half")
+            weights = fsdp2.weights
+            assert fsdp2.output_dtype == torch.bfloat16 and set(fsdp2.grad_dtypes) == {torch.float32}, (
+                f"PyTorch's FSDP2 with MixedPrecisionPolicy: output {fsdp2.output_dtype}, sharded gradients "
+                f"{fsdp2.grad_dtypes}; expected bf16 and fp32")
+            assert all(_close(a, b) for a, b in zip(weights, reference.weights)), (
+                f"PyTorch's FSDP2 with MixedPrecisionPolicy on {n} ranks differs from the reference")
+            exact &= all(torch.equal(a, b) for a, b in zip(weights, reference.weights))
+    agree = "bit for bit" if exact else f"to {FSDP_TOLERANCE:g} relative"
+    ratio = gathered["bf16"] / gathered["fp32"]
+    print(f"mixed-precision FSDP: correct on {ranks_and_sizes(configurations)}; "
+          f"shards and their gradients fp32; per step "
+          f"{2 * num_layers} all-gathers in bf16 ({gathered['bf16']} bytes on rank 0: {ratio:.2f}x "
+          f"the fp32 run's {gathered['fp32']}) and {num_layers} reduce-scatters in fp32; 1 gathered unit alive at "
+          f"most, in forward and in backward; step 0's gradients and the weights after {num_steps} AdamW steps equal "
+          f"the single-process cast reference {agree} (so do FSDP2's with MixedPrecisionPolicy(param_dtype=bf16, "
+          f"reduce_dtype=fp32) on {world_size} ranks)")
+    return gathered
