@@ -12,8 +12,17 @@ from utils.checks.mixed_precision import (
     check_recompute,
     check_reduce_dtype,
 )
-from utils.mixed_precision import check_dtype, check_loss_scale, check_recomputable
+from utils.launch import spawn
+from utils.mixed_precision import (
+    check_dtype,
+    check_loss_scale,
+    check_recomputable,
+    equal_gradients,
+    gpipe_memory_main,
+    gpipe_saved_formula,
+)
 from utils.notebooks import solution
+from utils.pipeline import stage_layers
 
 NOTEBOOK = "06_mixed_precision"
 SIZES = dict(hidden_dim=8, num_layers=3, batch_size=6, seed=0)
@@ -172,3 +181,34 @@ def test_bad_input_is_refused_with_a_named_error():
         sol.DynamicLossScaler(8.0, 2.5)
     with pytest.raises(ValueError, match="not divisible by world size 4"):
         check_mixed_precision_fsdp(sol.MixedPrecisionLinear, sol.all_gather_unit, 4, 8, 2, 6, 2)
+
+
+# ---------------------------------------------------------------- section 5's GPipe: the formula is the measurement
+
+@pytest.mark.parametrize("num_stages, num_layers", [(1, 3), (2, 3)])
+def test_gpipe_saved_bytes_equal_the_formula(num_stages, num_layers):
+    """On 1 stage (no messages: in this process) and on 2 uneven ones, the peak bytes PeakSavedBytes measures in
+    notebook 04's GPipe equal gpipe_saved_formula's, with and without the notebook's recompute, and recomputation
+    leaves every gradient as it was, bit for bit."""
+    sol = solution(NOTEBOOK)
+    counts, rows, hidden = [1, 3], 2, 8
+    args = (solution("04_pipeline_parallel").gpipe_step, sol.recompute, counts, rows, hidden, num_layers, 1)
+    stages = [gpipe_memory_main(0, 1, *args)] if num_stages == 1 else spawn(gpipe_memory_main, num_stages, *args)
+    layers = [len(r) for r in stage_layers(num_layers, num_stages)]  # 3 layers on 2 stages: 2 + 1
+    for s, results in enumerate(stages):
+        for m in counts:
+            for recomputed in (False, True):
+                formula, _ = gpipe_saved_formula(rows, hidden, layers[s], s == num_stages - 1, m, 4, recomputed)
+                assert results[m, recomputed][0] == formula, (s, m, recomputed)
+            assert equal_gradients(results[m, False][1], results[m, True][1])
+    # the growth the demo shows: plain GPipe saves m times one micro-batch's 2k (+1) activations
+    assert stages[-1][3, False][0] == 3 * stages[-1][1, False][0]
+
+
+def test_gpipe_demo_catches_a_wrong_recompute():
+    """A recompute that drops the parameters' gradients gives GPipe gradients that differ: the demo's verdict
+    compares with plain GPipe's, so it says so."""
+    wrong = solution(NOTEBOOK, replace={RETURN: "        return (None, grads[0], *[None] * (len(grads) - 1))\n"})
+    results = gpipe_memory_main(0, 1, solution("04_pipeline_parallel").gpipe_step, wrong.recompute, [2], 2, 8, 2)
+    assert not equal_gradients(results[2, False][1], results[2, True][1])
+    assert equal_gradients(results[2, False][1], results[2, False][1])

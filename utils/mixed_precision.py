@@ -9,6 +9,8 @@
     one_thread()                      tiny tensors: one thread, no threads waiting on each other
     fsdp_runs_main, mixed_precision_reference, train_fsdp2_mixed_precision, fsdp2_memory_main
                                       section 4: mixed-precision FSDP, the reference, FSDP2, both trackers
+    Recomputed, PeakSavedBytes, gpipe_saved_formula, gpipe_memory_main, equal_gradients
+                                      section 5: recomputation in notebook 04's GPipe, peak saved bytes
     model_state_formulas, activation_bytes_per_parameter, measured_activation_bytes
                                       section 6: where the bytes go
 """
@@ -17,10 +19,13 @@ import copy
 import dataclasses
 import functools
 import math
+import weakref
 
 import torch
+import torch.nn as nn
 
 from utils import fsdp, pytorch_reference
+from utils import pipeline as pp
 from utils.bench import interleaved_seconds
 from utils.memory import FP32, MIXED, MemoryTracker
 from utils.model import build_mlp, generator, local_batch, loss_fn, make_batch, step_batches, train
@@ -363,3 +368,96 @@ def step_seconds_main(rank, world_size, versions, sizes, FSDPLinear=None, all_ga
     built = build_versions(rank, world_size, versions, sizes, FSDPLinear, all_gather_unit)
     steps = {name: functools.partial(_step, b, batch) for name, b in built.items()}
     return interleaved_seconds(steps, repeat=repeat, warmup=1)
+
+
+# ---------------------------------------------------------------- recomputation in notebook 04's GPipe (section 5)
+#
+class Recomputed(nn.Module):
+    """`layer`, run as recompute(layer, x): put around each layer of a stage, any schedule recomputes it."""
+
+    def __init__(self, layer, recompute):
+        super().__init__()
+        self.layer, self.recompute = layer, recompute
+
+    def forward(self, x):
+        return self.recompute(self.layer, x)
+
+
+class PeakSavedBytes:
+    """Inside the block, the bytes autograd holds for backward at the worst moment: what SavedActivations counts
+    (the model's parameters left out), but each saved tensor counted only while the graph keeps it (a
+    weakref.finalize on what the hook packs, as utils.pipeline.record_step does for micro-batches), so a backward
+    that frees a micro-batch gives its bytes back. Each tensor's own bytes, once while any node holds it: a
+    micro-batch is a view of the batch, and the recomputed input is the saved one, detached."""
+
+    def __init__(self, model):
+        self.parameters = {p.data_ptr() for p in model.parameters()}
+        self.holders = {}  # (data pointer, bytes): how many saved tensors hold it now
+        self.alive = self.peak = 0
+
+    def pack(self, tensor):
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        holder = _Held(tensor)
+        if key[0] not in self.parameters:
+            if not self.holders.get(key):
+                self.alive += key[1]
+                self.peak = max(self.peak, self.alive)
+            self.holders[key] = self.holders.get(key, 0) + 1
+            weakref.finalize(holder, self.release, key)
+        return holder
+
+    def release(self, key):
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.alive -= key[1]
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda holder: holder.tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+
+class _Held:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def gpipe_saved_formula(micro_batch_size, hidden_dim, num_layers, is_last, num_micro_batches, element_size,
+                        recompute):
+    """Peak bytes a GPipe stage of `num_layers` layers saves, in units of one micro-batch's activation
+    b h e: every micro-batch's activations stay until the backwards, so m times one micro-batch's: 2 per layer
+    without recomputation (x and z), 1 with it (x), plus the loss's input on the last stage. With recomputation
+    a stage that is not last also holds, in its first backward, the recomputed layer's z before the first
+    micro-batch's inputs are freed: one more b h e. Returns (bytes, activations)."""
+    per_micro_batch = (1 if recompute else 2) * num_layers + (1 if is_last else 0)
+    activations = num_micro_batches * per_micro_batch + (1 if recompute and not is_last else 0)
+    return activations * micro_batch_size * hidden_dim * element_size, activations
+
+
+def gpipe_memory_main(rank, world_size, gpipe_step, recompute, micro_batch_counts, micro_batch_size, hidden_dim,
+                      num_layers, seed=0, dtype=torch.float32):
+    """{(m, recomputed): (peak saved bytes, this stage's gradients)} for one step of notebook 04's
+    gpipe_step(stage, batch, m) with m micro-batches of `micro_batch_size` rows each (the batch grows with m),
+    without and with recompute(layer, x) on every layer."""
+    results = {}
+    for m in micro_batch_counts:
+        batch = make_batch(m * micro_batch_size, hidden_dim, seed, 0, dtype)
+        for recomputed in (False, True):
+            stage = pp.build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+            if recomputed:
+                stage.layers = nn.ModuleList(Recomputed(layer, recompute) for layer in stage.layers)
+            with PeakSavedBytes(stage) as saved:
+                gpipe_step(stage, batch, m)
+            results[m, recomputed] = saved.peak, [None if p.grad is None else p.grad.clone()
+                                                  for p in stage.parameters()]
+    return results
+
+
+def equal_gradients(ours, theirs):
+    """Bit for bit; a missing gradient (None) equals only another missing one."""
+    return len(ours) == len(theirs) and all(a is b if a is None or b is None else torch.equal(a, b)
+                                            for a, b in zip(ours, theirs))
