@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from utils import fault_tolerance as ft
-from utils.checks.fault_tolerance import check_checkpoint, check_sampler
+from utils.checks.fault_tolerance import check_checkpoint, check_controller, check_latest_checkpoint, check_sampler
 from utils.notebooks import solution
 
 NOTEBOOK = "08_fault_tolerance"
@@ -31,8 +31,11 @@ def test_right_answers_pass(capsys):
     sol = solution(NOTEBOOK)
     check_sampler(sol.ShardedSampler)
     checkpoint(sol)
+    check_latest_checkpoint(sol.latest_checkpoint)
+    controller(sol)
     out = capsys.readouterr().out
-    assert "DistributedSampler" in out and "torch.distributed.checkpoint" in out
+    assert "DistributedSampler" in out and "torch.distributed.checkpoint" in out and "latest_checkpoint: correct" in out
+    assert "train_step: correct" in out
     assert "loaded on 4, 3, 2 ranks" in out and "exactly on 4 ranks" in out
 
 
@@ -185,3 +188,145 @@ def test_checkpoints_leave_no_folders_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # every temporary folder of the check goes here
     checkpoint(solution(NOTEBOOK), world_size=2)
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- section 3: the checkpoint a restarted run resumes from
+
+COMPLETE = ("(match := ft.CHECKPOINT_FOLDER.match(name))\n"
+            "                and os.path.exists(ft.metadata_path(os.path.join(root, name)))]")
+LATEST = "    return ft.checkpoint_folder(root, max(complete)) if complete else None\n"
+LATEST_CHECKPOINT = [
+    # a save the run died in counted as a checkpoint
+    ({COMPLETE: "(match := ft.CHECKPOINT_FOLDER.match(name))]"}, "whose saving did not finish"),
+    # any file named metadata* counts, metadata.json.tmp too
+    ({"os.path.exists(ft.metadata_path(os.path.join(root, name)))":
+      "any(f.startswith('metadata') for f in os.listdir(os.path.join(root, name)))"},
+     "step_10 with only metadata.json.tmp.*whose saving did not finish"),
+    # the latest by name, as strings
+    ({LATEST: "    return os.path.join(root, max(f'step_{k}' for k in complete)) if complete else None\n"},
+     "compare the step counts as numbers, not the names"),
+    # the oldest
+    ({LATEST: "    return ft.checkpoint_folder(root, min(complete)) if complete else None\n"}, "the oldest"),
+    # the first attempt: no folder yet
+    ({"    if not os.path.isdir(root):\n        return None\n": ""}, "no checkpoint folder yet: return None"),
+    # nothing complete: max() of nothing
+    ({LATEST: "    return ft.checkpoint_folder(root, max(complete))\n"}, "with no complete checkpoint, return None"),
+    # the step count, not the folder
+    ({LATEST: "    return max(complete) if complete else None\n"}, "return the checkpoint's folder"),
+]
+
+
+@pytest.mark.parametrize("replace, match", LATEST_CHECKPOINT)
+def test_wrong_latest_checkpoint_fails(replace, match):
+    with pytest.raises(AssertionError, match=match):
+        check_latest_checkpoint(edited(replace).latest_checkpoint)
+
+
+def test_faults_and_torchrun_sizes_fail_before_anything_starts():
+    with pytest.raises(ValueError, match="'dies' or 'hangs'"):
+        ft.Fault(1, 3, "explodes")
+    student = ft.Student(None)
+    with pytest.raises(ValueError, match="not divisible by world size 5"):
+        ft.run_torchrun(SIZES, student, 5, 2)
+    with pytest.raises(ValueError, match="save_every"):
+        ft.run_torchrun(SIZES, student, 2, 0)
+
+
+AGENT_LOG = """\
+I1123 01:33:47.253000 1352 torch/distributed/elastic/agent/server/api.py:707] [default] Rendezvous'ing worker group
+I1123 01:33:47.429000 1352 torch/distributed/elastic/agent/server/api.py:715] [default] Starting worker group
+[rank0]: RuntimeError: Connection reset by peer
+W1123 01:33:57.176000 1352 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1356 closing signal SIGTERM
+E1123 01:33:57.382000 1352 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 1357) of binary: /x/python
+I1123 01:33:57.383000 1352 torch/distributed/elastic/agent/server/api.py:942] [default] Worker group FAILED. 2/2 attempts left; will restart worker group
+I1123 01:33:58.119000 1352 torch/distributed/elastic/agent/server/api.py:715] [default] Starting worker group
+I1123 01:34:08.940000 1352 torch/distributed/elastic/agent/server/api.py:932] [default] worker group successfully finished. Waiting 300 seconds for other agents to finish.
+"""
+
+
+def test_agent_lines_keep_what_does_not_change_run_to_run():
+    lines = ft.agent_lines(AGENT_LOG)
+    assert [line for _, line in lines] == [
+        "[default] Rendezvous'ing worker group", "[default] Starting worker group",
+        "Sending process <pid> closing signal SIGTERM", "failed (exitcode: 1) local_rank: 1",
+        "[default] Worker group FAILED. 2/2 attempts left; will restart worker group",
+        "[default] Starting worker group", "[default] worker group successfully finished."]
+    assert lines[0][0] == pytest.approx(1 * 3600 + 33 * 60 + 47.253)
+
+
+def test_describe_attempts():
+    events = [{"attempt": 0, "rank": r, "event": "saved", "checkpoint": "step_2", "time": 1.0 + r} for r in (0, 1)]
+    events += [{"attempt": 0, "rank": 1, "event": "dies in step 3", "time": 3.0},
+               {"attempt": 0, "rank": 0, "event": "failed", "time": 3.1}]
+    events += [{"attempt": 1, "rank": r, "event": "loaded", "checkpoint": "step_2", "step": 2, "time": 4.0} for r in (0, 1)]
+    events += [{"attempt": 1, "rank": r, "event": "finished", "step": 6, "time": 5.0} for r in (0, 1)]
+    assert ft.describe_attempts(events, 2) == [
+        "attempt 0: started from step 0; saved step_2; rank 1 dies in step 3",
+        "attempt 1: every rank loaded step_2; every rank finished step 6"]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_ends_with_the_uninterrupted_weights_and_leaves_nothing(tmp_path, monkeypatch):
+    """One real torchrun run (seconds): a rank dies, the agent restarts the group, the weights are exact; its
+    temporary folder is removed and no process it started is left."""
+    import psutil
+    import torch
+
+    from utils.launch import spawn
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sol = solution(NOTEBOOK)
+    student = ft.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint, sol.latest_checkpoint)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    run = ft.run_torchrun(SIZES, student, 2, 2, faults=[ft.Fault(1, 3)])
+    assert run.returncode == 0, run.log
+    assert ft.describe_attempts(run.events, 2)[1] == "attempt 1: every rank loaded step_2; saved step_4; every rank " \
+                                                     "finished step 6"
+    want = spawn(ft.train_main, 2, SIZES, student)[0].weights
+    assert all(torch.equal(a, b) for a, b in zip(run.weights, want))
+    assert set(ft.restart_seconds(run)) == {"detect", "restart", "start", "load"}
+    assert os.listdir(tmp_path) == []
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+# ---------------------------------------------------------------- section 5: one controller over RPC
+
+def controller(module):
+    check_controller(module.train_step, 2, hidden_dim=8, num_layers=3, batch_size=12, num_micro_batches=4)
+
+
+LOSS = "            loss = loss + loss_fn(x) / num_micro_batches\n"
+CONTROLLER = [
+    # the micro-batches' losses summed, not averaged
+    ({LOSS: "            loss = loss + loss_fn(x)\n"}, "4 times too large, the number of micro-batches"),
+    # only the last micro-batch's loss kept
+    ({LOSS: "            loss = loss_fn(x) / num_micro_batches\n"}, "each micro-batch's output must be part of the one loss"),
+    # a local backward: it stops at the RPC boundary, the stages get no gradient in the context
+    ({"        dist_autograd.backward(context_id, [loss])\n": "        loss.backward()\n"},
+     "got no gradient in the distributed autograd context|the controller's run failed"),
+    # no optimizer step
+    ({"        optimizer.step(context_id)\n": ""}, "stepped 0 times in 2 steps"),
+    # a backward and a step per micro-batch
+    ({"            loss = loss + loss_fn(x) / num_micro_batches\n        dist_autograd.backward(context_id, [loss])\n"
+      "        optimizer.step(context_id)\n":
+      "            loss = loss + loss_fn(x) / num_micro_batches\n"
+      "            dist_autograd.backward(context_id, [loss_fn(x) / num_micro_batches])\n"
+      "            optimizer.step(context_id)\n"}, "with one backward per context"),
+    # the stages in the wrong order
+    ({"            for stage in stages:\n": "            for stage in reversed(stages):\n"},
+     "not the whole batch's gradient"),
+]
+
+
+@pytest.mark.parametrize("replace, match", CONTROLLER)
+def test_wrong_controller_fails(replace, match):
+    with pytest.raises(AssertionError, match=match):
+        controller(edited(replace))
+
+
+def test_controller_sizes_fail_before_any_rank_starts():
+    sol = solution(NOTEBOOK)
+    with pytest.raises(ValueError, match="not divisible by num micro batches 5"):
+        check_controller(sol.train_step, 2, hidden_dim=8, num_layers=3, batch_size=12, num_micro_batches=5)
+    with pytest.raises(ValueError, match="more stages than num layers"):
+        check_controller(sol.train_step, 4, hidden_dim=8, num_layers=3, batch_size=12, num_micro_batches=4)

@@ -189,3 +189,38 @@ def plot_bytes_per_parameter(rows, title):
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_gpipe_saved_bytes(micro_batch_counts, peaks, title):
+    """peaks: {(stage, recomputed): [peak saved bytes for each micro-batch count]}. One line per stage and variant
+    (solid: every activation saved; dashed: each layer recomputed), against m (notebook 06, section 5)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for (stage, recomputed), values in sorted(peaks.items()):
+        ax.plot(micro_batch_counts, [v / 1024 for v in values], "o" + ("--" if recomputed else "-"),
+                color=colors[stage % len(colors)],
+                label=f"stage {stage}, {'each layer recomputed' if recomputed else 'all saved'}")
+    ax.set_xticks(micro_batch_counts)
+    ax.set_xlabel("micro-batches m (each of the same rows)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("saved for backward at the peak (KB)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_units(rows, title):
+    """rows: {unit: (collectives per step, bytes per all-gather, peak gathered bytes, peak total bytes)} (notebook 07):
+    collectives per step and peak memory, side by side, one bar per unit size."""
+    fig, (calls_ax, memory_ax) = plt.subplots(1, 2, figsize=(8, 3.2))
+    names = list(rows)
+    calls_ax.bar(names, [rows[n][0] for n in names], color="tab:blue")
+    calls_ax.set_ylabel("collectives per step")
+    memory_ax.bar(names, [rows[n][3] / 1024 for n in names], color="tab:gray", label="total")
+    memory_ax.bar(names, [rows[n][2] / 1024 for n in names], color="tab:red", label="gathered")
+    memory_ax.set_ylabel("peak model state (KB, one rank)")
+    memory_ax.legend(fontsize=8)
+    for ax in (calls_ax, memory_ax):
+        ax.set_xlabel("one unit per")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing

@@ -1,11 +1,16 @@
-"""Checks for notebook 08 (runs that survive): the sampler, the sharded checkpoint.
+"""Checks for notebook 08 (runs that survive): the sampler, the sharded checkpoint, the checkpoint to restart from,
+the controller over RPC.
 
 - check_sampler: in this process (a sampler communicates nothing): index for index against
   torch.utils.data.DistributedSampler, every row once per epoch without padding, resumed against
   uninterrupted;
 - check_checkpoint: on ranks: what a stopped run saved is what the loaded one holds, on the same and on other
   world sizes (uneven shards), bit for bit, and what torch.distributed.checkpoint (FSDP2) loads from the same
-  state; resumed runs end with the uninterrupted run's weights; broken checkpoints get errors naming the file.
+  state; resumed runs end with the uninterrupted run's weights; broken checkpoints get errors naming the file;
+- check_latest_checkpoint: in this process: the latest complete checkpoint among folders as runs leave them
+  (what a restarted run resumes from);
+- check_controller: a controller and one worker per stage over torch.distributed.rpc: step 0's gradients and the
+  final weights against the single-process run and PyTorch's SPMD pipeline (ScheduleGPipe).
 """
 import hashlib
 import os
@@ -17,7 +22,7 @@ from torch.utils.data import DistributedSampler
 
 from utils import fault_tolerance as ft
 from utils import fsdp, pytorch_reference
-from utils.checks import CHECK_TIMEOUT, max_abs_diff
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.sizes import check_int
 
@@ -361,3 +366,179 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           + "".join(f"; on {n} ranks within {ft.resume_tolerance(sizes):g} (max difference "
                     f"{'0' if worst[n] == 0 else f'{worst[n]:.1e}'})" for n in others)
           + f". Broken copies ({', '.join(broken)}) get an error naming the file, and stay unchanged.")
+
+
+# ---------------------------------------------------------------- the latest complete checkpoint
+
+def _make_checkpoints(root, complete=(), incomplete=(), half_written=(), other=()):
+    """Checkpoint folders as a run leaves them: complete ones (shards and metadata), incomplete ones (shards, no
+    metadata: the run died while saving), half-written metadata (metadata.json.tmp only), and other files."""
+    os.makedirs(root, exist_ok=True)
+    for step in (*complete, *incomplete, *half_written):
+        folder = ft.checkpoint_folder(root, step)
+        os.makedirs(folder)
+        for rank in range(2):
+            open(ft.shard_path(folder, rank), "wb").close()
+        if step in complete:
+            open(ft.metadata_path(folder), "w").close()
+        if step in half_written:
+            open(ft.metadata_path(folder) + ".tmp", "w").close()
+    for name in other:
+        os.makedirs(os.path.join(root, name))
+
+
+LATEST_CASES = [
+    # (what, how the folder is, the step expected or None)
+    ("no folder yet (the first attempt)", None, None),
+    ("an empty folder", {}, None),
+    ("step_2 and step_4, complete", {"complete": (2, 4)}, 4),
+    ("step_2, step_4, step_10 complete", {"complete": (2, 4, 10)}, 10),
+    ("step_2, step_4 complete; step_6 without metadata.json (the run died while saving)",
+     {"complete": (2, 4), "incomplete": (6,)}, 4),
+    ("step_8 complete; step_10 with only metadata.json.tmp (died while writing the metadata)",
+     {"complete": (8,), "half_written": (10,)}, 8),
+    ("step_9, step_10 complete, and folders that are not checkpoints (step_x, logs)",
+     {"complete": (9, 10), "other": ("step_x", "logs")}, 10),
+    ("only step_3, without metadata.json", {"incomplete": (3,)}, None),
+]
+
+
+def _latest_hint(got, want, case, root):
+    if isinstance(got, Exception):
+        if case[1] is None:
+            return f"it raised {type(got).__name__}: {got}: the first attempt has no checkpoint folder yet: return None"
+        return f"it raised {type(got).__name__}: {got}: with no complete checkpoint, return None"
+    if got is not None and not isinstance(got, str):
+        return f"it returned {got!r}: return the checkpoint's folder, os.path.join(root, 'step_{{k}}') (or None)"
+    name = os.path.basename(got) if isinstance(got, str) else got
+    kind = case[1] or {}
+    if isinstance(got, str) and os.path.dirname(os.path.normpath(got)) != os.path.normpath(root):
+        return f"it returned {got!r}: return the checkpoint's folder, os.path.join(root, 'step_{{k}}')"
+    if name is not None and any(name == f"step_{s}" for s in (*kind.get("incomplete", ()), *kind.get("half_written", ()))):
+        return (f"it chose {name}, whose saving did not finish (no metadata.json: it is written last): "
+                f"take only complete checkpoints")
+    steps = kind.get("complete", ())
+    if name is not None and steps and name == f"step_{min(steps)}" and want is not None:
+        return f"it chose {name}, the oldest: take the one with the most steps"
+    if name is not None and steps and name == max(f"step_{s}" for s in steps):
+        return f"it chose {name}: compare the step counts as numbers, not the names as strings ('step_10' < 'step_4')"
+    return f"it returned {got!r}"
+
+
+def check_latest_checkpoint(latest_checkpoint):
+    """The latest complete checkpoint in folders as runs leave them (in this process: no ranks needed)."""
+    for case in LATEST_CASES:
+        what, kind, step = case
+        with tempfile.TemporaryDirectory() as parent:
+            root = os.path.join(parent, "checkpoints")
+            if kind is not None:
+                _make_checkpoints(root, **kind)
+            want = None if step is None else ft.checkpoint_folder(root, step)
+            try:
+                got = latest_checkpoint(root)
+            except Exception as e:
+                got = e
+            if isinstance(got, Exception) or got is None or want is None:
+                same = got is None and want is None
+            else:
+                same = isinstance(got, str) and os.path.normpath(got) == os.path.normpath(want)
+            if not same:
+                raise AssertionError(f"latest_checkpoint with {what}: expected "
+                                     f"{'None' if want is None else os.path.basename(want)}; "
+                                     f"{_latest_hint(got, want, case, root)}")
+    print(f"latest_checkpoint: correct, checked in this process on {len(LATEST_CASES)} folders as runs leave them: "
+          f"none yet, empty, step_10 after step_4 (numbers, not names), a save the run died in (no metadata.json, "
+          f"or only its .tmp), folders that are not checkpoints")
+
+
+# ---------------------------------------------------------------- one controller over RPC
+
+def _single_process(hidden_dim, num_layers, batch_size, num_steps, num_stages, seed):
+    """The whole MLP in this process, SGD: step 0's gradients and the final weights, split by stage."""
+    from utils.model import build_mlp, loss_fn, make_optimizer, step_batches
+    from utils.pipeline import stage_layers
+
+    model = build_mlp(hidden_dim, num_layers, seed)
+    optimizer, grads = make_optimizer(model.parameters(), "sgd"), None
+    for batch in step_batches(batch_size, hidden_dim, seed, num_steps):
+        loss_fn(model(batch)).backward()
+        if grads is None:
+            grads = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = [p.detach().clone() for p in model.parameters()]
+    ranges = stage_layers(num_layers, num_stages)
+    return [[grads[i] for i in r] for r in ranges], [[weights[i] for i in r] for r in ranges]
+
+
+def _controller_hint(got, want, num_micro_batches):
+    m = num_micro_batches
+    if m > 1 and torch.allclose(got, want * m, rtol=1e-9, atol=0):
+        return f"{m} times too large, the number of micro-batches: divide each micro-batch's loss by {m}"
+    if m > 1 and torch.allclose(got * m, want, rtol=1e-9, atol=0):
+        return f"{m} times too small: each micro-batch's loss is divided by {m} once, not twice"
+    return "not the whole batch's gradient: every micro-batch's loss (divided by their number) in one backward"
+
+
+CONTROLLER_TIMEOUT = 8  # seconds; the right controller's run takes a fraction of one here
+
+
+def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size, num_micro_batches, num_steps=2,
+                     seed=0):
+    """The controller's step against the single-process run and PyTorch's SPMD pipeline (notebook 04's reference:
+    torch.distributed.pipelining's ScheduleGPipe, one process per stage)."""
+    from utils.pipeline import check_sizes
+
+    num_stages = check_int("num_stages", num_stages)
+    check_sizes(num_layers, num_stages, batch_size, num_micro_batches)
+    sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps)
+    try:
+        run = ft.run_controller(train_step, num_stages, num_micro_batches=num_micro_batches, seed=seed,
+                                timeout=CONTROLLER_TIMEOUT, **sizes)
+    except RankError as e:
+        raise AssertionError(f"the controller's run failed: {e}") from e
+    except TimeoutError as e:
+        raise AssertionError(f"the controller's run did not finish: {e}\nA distributed backward waits for a "
+                             f"gradient through every RPC call made in its context: each micro-batch's output must "
+                             f"be part of the one loss, with one backward per context") from None
+    where = f"{num_stages} stages, {num_micro_batches} micro-batches"
+    if run.optimizer_steps != num_steps:
+        why = ("never: call optimizer.step(context_id) inside the distributed autograd context" if not run.optimizer_steps
+               else "once per step, after the backward of every micro-batch")
+        raise AssertionError(f"{where}: the optimizer stepped {run.optimizer_steps} times in {num_steps} steps; "
+                             f"expected {num_steps}: {why}")
+    want_grads, want_weights = _single_process(num_layers=num_layers, num_stages=num_stages, seed=seed,
+                                               **{k: v for k, v in sizes.items() if k != "num_layers"})
+    worst = 0.0
+    for s, (got_stage, want_stage) in enumerate(zip(run.grads, want_grads)):
+        for i, (got, want) in enumerate(zip(got_stage, want_stage)):
+            if got is None:
+                raise AssertionError(f"{where}: stage {s}'s weight {i} got no gradient in the distributed autograd "
+                                     f"context: run the backward with dist_autograd.backward(context_id, [loss]) "
+                                     f"inside the context (a local loss.backward() stops at the RPC boundary)")
+            diff = max_abs_diff(got, want)
+            if diff > TOLERANCE:
+                raise AssertionError(f"{where}: step 0's gradient of stage {s}'s weight {i} differs from the "
+                                     f"single-process run's by {diff:.3g}: {_controller_hint(got, want, num_micro_batches)}")
+    for s, (got_stage, want_stage) in enumerate(zip(run.weights, want_weights)):
+        for i, (got, want) in enumerate(zip(got_stage, want_stage)):
+            diff = max_abs_diff(got, want)
+            worst = max(worst, diff)
+            if diff > TOLERANCE:
+                raise AssertionError(f"{where}: after {num_steps} steps, stage {s}'s weight {i} differs from the "
+                                     f"single-process run's by {diff:.3g}, though step 0's gradients were right: one "
+                                     f"optimizer step per batch, each in its own distributed autograd context")
+    theirs = spawn(pytorch_reference.train_pipeline, num_stages, "gpipe", num_micro_batches=num_micro_batches,
+                   optimizer="sgd", seed=seed, timeout=CHECK_TIMEOUT, **sizes)
+    spmd = max(max_abs_diff(a, b) for got, pt in zip(run.weights, theirs) for a, b in zip(got, pt.weights))
+    if spmd > TOLERANCE:
+        raise AssertionError(f"{where}: the final weights differ from PyTorch's SPMD pipeline's (ScheduleGPipe) by "
+                             f"{spmd:.3g}")
+
+    def shown(x):
+        return "0" if x == 0 else f"{x:.1e}"
+
+    print(f"train_step: correct. {num_stages} stages on their own workers, driven by one controller over RPC "
+          f"({num_micro_batches} micro-batches, {num_steps} steps): step 0's gradients and the final weights equal "
+          f"the single-process run's (max difference {shown(worst)}) and PyTorch's SPMD pipeline's, ScheduleGPipe "
+          f"with one process per stage (max difference {shown(spmd)})")
