@@ -1,0 +1,186 @@
+"""utils.checks.simple_fsdp (notebook 07): the solution passes; each plausible wrong answer fails at its exercise's
+own check, with a message that names the mistake. Right answers come from the solution notebook; each wrong one is
+a small edit of it (utils.notebooks.solution)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from utils import simple_fsdp
+from utils.checks.simple_fsdp import check_data_parallel, check_redistribute, check_reshard, check_units
+from utils.launch import spawn
+from utils.notebooks import solution
+
+HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS = 8, 3, 4, 2
+SIZES = (2, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
+SOL = solution("07_simple_fsdp")
+
+
+def edited(replace):
+    return solution("07_simple_fsdp", replace=replace)
+
+
+# ---------------------------------------------------------------- they pass
+
+def test_right_answers_pass(capsys):
+    check_redistribute(SOL.redistribute, 2)
+    check_data_parallel(SOL.data_parallel, *SIZES)
+    units = check_reshard(SOL.data_parallel, SOL.reshard_after_forward, *SIZES)
+    rows = check_units(SOL.FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)
+    assert [rows[unit][0] for unit in ("layer", "pair", "model")] == [4, 2, 2]
+    out = capsys.readouterr().out
+    assert "DTensor's redistribute" in out and "FSDP2" in out and "awkward" in out
+    assert units == {"resharded": {"forward": 1, "backward": 1}, "kept": {"forward": NUM_LAYERS - 1,
+                                                                           "backward": NUM_LAYERS - 1}}
+
+
+# ---------------------------------------------------------------- bad input, before any rank starts
+
+def test_bad_input_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        simple_fsdp.check_mode("zero3")
+    with pytest.raises(ValueError, match="mesh of 2 ranks does not match the world of 4"):
+        simple_fsdp.check_mesh(2, 4)
+    model = nn.Linear(2, 2)
+    model.scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="'scale' is a scalar"):
+        simple_fsdp.check_shardable(model)
+    with pytest.raises(ValueError, match="batch size 5 .* world size 2"):
+        check_data_parallel(SOL.data_parallel, 2, HIDDEN_DIM, NUM_LAYERS, 5, NUM_STEPS)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SOL.data_parallel(nn.Linear(2, 2), "ddp")
+    with pytest.raises(ValueError, match="num_layers must be even"):
+        check_units(SOL.FlatUnit, 2, HIDDEN_DIM, 3, BATCH_SIZE, NUM_STEPS)
+
+
+def test_shards_follow_torch_chunk():
+    whole = torch.arange(7.0)
+    assert [simple_fsdp.local_shard(whole, r, 3).tolist() for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [simple_fsdp.local_rows(3, r, 4) for r in range(4)] == [1, 1, 1, 0]
+    assert simple_fsdp.original_name("a.parametrizations.weight.original") == "a.weight"
+
+
+def counting_main(rank, world_size):
+    """record_collectives sees torch.distributed calls and functional collectives alike, with the input's bytes."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    with simple_fsdp.record_collectives() as log:
+        out = torch.empty(world_size * 3)
+        dist.all_gather_single(out, torch.ones(3))
+        funcol.reduce_scatter_single(torch.ones(world_size * 2), "sum", 0, dist.group.WORLD).wait()
+    return [str(c) for c in log]
+
+
+def test_record_collectives_names_both_kinds():
+    assert spawn(counting_main, 2)[0] == ["all-gather of 12 bytes", "reduce-scatter of 16 bytes"]
+
+
+# ---------------------------------------------------------------- they fail, saying why
+
+REDISTRIBUTE = [
+    ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n"
+      "        return padded[:rows]":
+      "        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n        return padded"},
+     "Shard\\(0\\) -> Replicate\\(\\).*the padding rows were not dropped"),
+    ({"        dist.all_reduce(summed)\n        return summed\n":
+      "        dist.all_reduce(summed)\n        return summed / world_size\n"},
+     "Partial\\(\\) -> Replicate\\(\\).*it is the mean over the ranks"),
+    ({"        mine = torch.empty((k, *shape[1:]), dtype=local.dtype)\n"
+      "        dist.reduce_scatter_single(mine, simple_fsdp.pad_rows(local, world_size * k).contiguous())\n":
+      "        mine = local.clone()\n        dist.all_reduce(mine)\n        mine = simple_fsdp.local_shard(mine, rank, "
+      "world_size)\n"},
+     "Partial\\(\\) -> Shard\\(0\\).*issued all-reduce of .* bytes; DTensor's redistribute issues reduce-scatter"),
+    ({"        dist.all_reduce(summed)\n        return summed\n": "        return summed\n"},
+     "Partial\\(\\) -> Replicate\\(\\).*never summed over the ranks"),
+    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n": "        return local\n"},
+     "Replicate\\(\\) -> Shard\\(0\\).*it has all 5 rows: Shard\\(0\\) keeps only this rank.s rows"),
+    ({"dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())":
+      "dist.all_gather_single(padded, local.contiguous())"},
+     "redistribute failed on 2 ranks \\(uneven Shard\\(0\\) pieces: a collective needs equal pieces"),
+]
+
+DATA_PARALLEL = [
+    ({"    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size":
+      "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]"},
+     "mode='fully_shard'.*2 times too large: the sum over ranks, not the mean"),
+    ({"    dist.reduce_scatter_single(mine, simple_fsdp.pad_rows(grad, world_size * k).contiguous())\n":
+      "    mine = simple_fsdp.pad_rows(grad, world_size * k)[rank * k:(rank + 1) * k]\n"},
+     "mode='fully_shard'.*issued 3 all-gather\\(s\\), 0 reduce-scatter\\(s\\), 0 all-reduce\\(s\\); expected 3 "
+     "all-gather\\(s\\), 3 reduce-scatter"),
+    ({"    mine = torch.empty((k, *grad.shape[1:]), dtype=grad.dtype)\n"
+      "    dist.reduce_scatter_single(mine, simple_fsdp.pad_rows(grad, world_size * k).contiguous())\n":
+      "    summed = grad.clone()\n    dist.all_reduce(summed)\n"
+      "    mine = simple_fsdp.pad_rows(summed, world_size * k)[rank * k:(rank + 1) * k]\n"},
+     "mode='fully_shard'.*issued 3 all-gather\\(s\\), 0 reduce-scatter\\(s\\), 3 all-reduce"),
+    ({"        dist.all_reduce(summed)\n        return summed / dist.get_world_size()\n":
+      "        dist.all_reduce(summed)\n        return summed\n"},
+     "mode='replicate'.*2 times too large"),
+    ({"        for name, param in list(module.named_parameters(recurse=False)):\n":
+      "        for name, param in list(module.named_parameters(recurse=False)):\n"
+      "            if not param.requires_grad:\n                continue\n"},
+     "keeps its whole parameter as 'frozen.weight'.*a frozen parameter is sharded too"),
+    ({"        for name, param in list(module.named_parameters(recurse=False)):\n":
+      "        for name, param in list(module.named_parameters(recurse=False)):\n"
+      "            if name != \"weight\":\n                continue\n"},
+     "the awkward .*keeps its whole parameter as 'gate'"),
+    ({"    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size": "    return mine / world_size"},
+     "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces"),
+]
+
+RESHARD = [
+    ({"    if source is None:\n        return t\n    return source, t.size(), t.stride(), t.storage_offset()\n":
+      "    return t\n"},
+     "up to 2 gathered units were alive at once in step 0's forward.*pack it as its shard"),
+    ({"    return source, t.size(), t.stride(), t.storage_offset()\n":
+      "    return source, t.size(), t.stride(), t.storage_offset(), t\n",
+      "    (shard, rows), size, stride, offset = kept\n": "    (shard, rows), size, stride, offset, _ = kept\n"},
+     "up to 2 gathered units were alive at once"),
+    ({"    return source, t.size(), t.stride(), t.storage_offset()\n": "    return t.detach().clone()\n"},
+     "step 0 issued 3 all-gather\\(s\\).*expected 5 all-gather"),
+    ({"    return all_gather_rows(shard, rows).as_strided(size, stride, offset)\n":
+      "    return all_gather_rows(shard, rows)\n"},
+     "reshard_after_forward on 2 ranks, the mlp.*not its part of the whole batch's gradient.*look at unpack_gathered"),
+]
+
+
+@pytest.mark.parametrize("replace, match", REDISTRIBUTE)
+def test_wrong_redistribute_fails(replace, match):
+    with pytest.raises(AssertionError, match=match):
+        check_redistribute(edited(replace).redistribute, 2)
+
+
+@pytest.mark.parametrize("replace, match", DATA_PARALLEL)
+def test_wrong_data_parallel_fails(replace, match):
+    with pytest.raises(AssertionError, match=match):
+        check_data_parallel(edited(replace).data_parallel, *SIZES)
+
+
+@pytest.mark.parametrize("replace, match", RESHARD)
+def test_wrong_reshard_fails(replace, match):
+    wrong = edited(replace)
+    with pytest.raises(AssertionError, match=match):
+        check_reshard(wrong.data_parallel, wrong.reshard_after_forward, *SIZES)
+
+UNITS = [
+    # the module keeps its own parameters beside the flat shard
+    ({"        for name in self.names:\n            delattr(*self.owner(name))\n"
+      "        ### END SOLUTION\n\n    def owner": "        ### END SOLUTION\n\n    def owner"},
+     "FlatUnit failed on 2 ranks: .*cannot assign"),
+    ({"        out = self.module(*args)\n        for name in self.names:\n            delattr(*self.owner(name))\n":
+      "        out = self.module(*args)\n"}, "still alive after step 0's backward: the views set on the module"),
+    ({"        self.flat_shard = nn.Parameter(simple_fsdp.local_shard(flat, dist.get_rank(), dist.get_world_size())"
+      ".clone())": "        self.flat_shard = nn.Parameter(flat.clone())"},
+     "FlatUnit failed on 2 ranks: .*UnshardBackward returned an invalid gradient"),
+    ({"zip(self.names, self.shapes, flat.split(self.numels))":
+      "zip(self.names[::-1], self.shapes, flat.split(self.numels))"},
+     "the flat shards put together hold values off by"),
+    ({"        flat = Unshard.apply(self.flat_shard, sum(self.numels))":
+      "        flat = Unshard.apply(self.flat_shard.detach(), sum(self.numels))"},
+     "FlatUnit failed on 2 ranks: .*does not require grad"),
+]
+
+
+@pytest.mark.parametrize("replace, match", UNITS)
+def test_wrong_flat_unit_fails(replace, match):
+    with pytest.raises(AssertionError, match=match):
+        check_units(edited(replace).FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)

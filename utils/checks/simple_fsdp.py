@@ -1,0 +1,378 @@
+"""Checks for notebook 07 (sharded tensors, SimpleFSDP): redistribute, data_parallel, resharding after forward, units.
+
+Each check runs the notebook's code on the given world size and on 3 ranks with sizes that do not divide
+(uneven Shard(0) pieces, a rank with no rows at all), compares in float64 with the single-process result
+and with PyTorch's own (DTensor's redistribute, FSDP2's fully_shard), and counts the collectives and the
+bytes handed to them (utils.simple_fsdp.record_collectives).
+"""
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from utils import pytorch_reference, simple_fsdp
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
+from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.model import Sizes
+from utils.sizes import check_int
+
+TRANSITIONS = ((Shard(0), Replicate()), (Partial(), Replicate()), (Partial(), Shard(0)), (Replicate(), Shard(0)))
+ISSUES = {(Shard(0), Replicate()): "all-gather", (Partial(), Replicate()): "all-reduce",
+          (Partial(), Shard(0)): "reduce-scatter", (Replicate(), Shard(0)): "nothing"}
+# The awkward model's float32 `gate` sums in float32, in another order than one process: it (and through it every
+# parameter after the first step) agrees to float32's precision only, as in notebook 05.
+FLOAT32_TOLERANCE = 1e-6
+
+
+def _name(placement):
+    return {"S(0)": "Shard(0)", "R": "Replicate()", "P(sum)": "Partial()"}.get(str(placement), str(placement))
+
+
+def _other_world_size(world_size):
+    return runnable_world_sizes([3])[0]
+
+
+def _spawn(fn, world_size, *args, what, hint="", when=("invalid tensor size",)):
+    """spawn, with a rank's failure turned into an AssertionError; `hint` added when the error says one of `when`."""
+    try:
+        return spawn(fn, world_size, *args, timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        hint = hint if any(text in str(e) for text in when) else ""
+        raise AssertionError(f"{what} failed on {world_size} ranks{hint}: {e}") from e
+
+
+UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad each shard to k = ceil(rows / N) rows "
+          "before it, and drop the padding after)")
+
+
+# ---------------------------------------------------------------- section 1: redistribute
+
+def shapes_for(world_size):
+    """Uneven rows (2N + 1), even rows (2N), and fewer rows than ranks (the last ranks hold none)."""
+    return [(2 * world_size + 1, 3), (2 * world_size, 3), (max(1, world_size - 1), 2)]
+
+
+def local_tensor(placement, shape, rank, world_size, seed):
+    """Rank `rank`'s local tensor under `placement` of the DTensor whose value `whole_value` gives."""
+    if placement.is_partial():
+        return seeded_randn(shape, seed, rank)
+    whole = seeded_randn(shape, seed, world_size + 1)
+    return simple_fsdp.local_shard(whole, rank, world_size).clone() if placement.is_shard() else whole
+
+
+def whole_value(placement, shape, world_size, seed):
+    if placement.is_partial():
+        return sum(seeded_randn(shape, seed, rank) for rank in range(world_size))
+    return seeded_randn(shape, seed, world_size + 1)
+
+
+def redistribute_main(rank, world_size, redistribute, shapes, seed):
+    """[(shape, src, dst, (ours, our collectives), (DTensor's, its collectives))] on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = []
+    for shape in shapes:
+        for src, dst in TRANSITIONS:
+            local = local_tensor(src, shape, rank, world_size, seed)
+            with simple_fsdp.record_collectives() as ours_log:
+                ours = redistribute(local.clone(), src, dst, shape)
+            with simple_fsdp.record_collectives() as theirs_log:
+                theirs = pytorch_reference.dtensor_redistribute(local.clone(), src, dst, shape, mesh)
+            results.append((shape, src, dst, (ours.detach().clone(), ours_log), (theirs, theirs_log)))
+    return results
+
+
+def _diagnose_values(got, want, local, src, dst, shape, world_size):
+    """Why a redistributed local tensor is not `want`: the usual mistakes, in words."""
+    rows, k = shape[0], simple_fsdp.shard_rows(shape[0], world_size)
+    if got.shape != want.shape:
+        padded = world_size * k if dst.is_replicate() else k
+        if got.shape[0] == padded and got.shape[0] != want.shape[0]:
+            return f"it has {got.shape[0]} rows, {want.shape[0]} expected: the padding rows were not dropped"
+        if dst.is_shard() and got.shape[0] == rows:
+            return f"it has all {rows} rows: Shard(0) keeps only this rank's rows ({want.shape[0]})"
+        return f"its shape is {tuple(got.shape)}, {tuple(want.shape)} expected"
+    if src.is_partial():
+        if max_abs_diff(got, want / world_size) < TOLERANCE:
+            return "it is the mean over the ranks: a Partial() value is their sum"
+        if got.shape == local.shape and max_abs_diff(got, local) < TOLERANCE:
+            return "it is this rank's own tensor: it was never summed over the ranks"
+    return f"it differs by up to {max_abs_diff(got, want):.3g}"
+
+
+def check_redistribute(redistribute, world_size, seed=0):
+    """redistribute(local, src, dst, shape) for Shard(0)->Replicate, Partial->Replicate, Partial->Shard(0),
+    Replicate->Shard(0): the single-process value, DTensor's local tensor, and DTensor's collectives and bytes."""
+    world_size = check_int("world_size", world_size)
+    seed = check_int("seed", seed, 0)
+    sizes = sorted({world_size, _other_world_size(world_size)})
+    for n in sizes:
+        by_rank = _spawn(redistribute_main, n, redistribute, shapes_for(n), seed, what="redistribute", hint=UNEVEN)
+        for rank, results in enumerate(by_rank):
+            for shape, src, dst, (ours, ours_log), (theirs, theirs_log) in results:
+                what = f"redistribute {_name(src)} -> {_name(dst)} of shape {shape} on rank {rank} of {n}"
+                whole = whole_value(src, shape, n, seed)
+                want = simple_fsdp.local_shard(whole, rank, n) if dst.is_shard() else whole
+                if ours.shape != want.shape or max_abs_diff(ours, want) > TOLERANCE:
+                    local = local_tensor(src, shape, rank, n, seed)
+                    if dst.is_shard():
+                        local = simple_fsdp.local_shard(local, rank, n)
+                    hint = _diagnose_values(ours, want, local, src, dst, shape, n)
+                    raise AssertionError(f"{what}: wrong local tensor; {hint}")
+                if theirs.shape != want.shape or max_abs_diff(theirs, want) > TOLERANCE:
+                    raise AssertionError(f"{what}: DTensor's own result differs from the single-process value")
+                if ours_log != theirs_log:
+                    said = ", ".join(map(str, ours_log)) or "no collective"
+                    wanted = ", ".join(map(str, theirs_log)) or "no collective"
+                    raise AssertionError(f"{what}: issued {said}; DTensor's redistribute issues {wanted} (the bytes "
+                                         f"are those of each collective's input, padded to N equal pieces)")
+    issued = "; ".join(f"{_name(s)} -> {_name(d)}: {ISSUES[(s, d)]}" for s, d in TRANSITIONS)
+    print(f"redistribute: correct on {' and '.join(map(str, sizes))} ranks, shapes with uneven rows, even rows and "
+          f"fewer rows than ranks; equal to the single-process values and to DTensor's redistribute to {TOLERANCE:g}, "
+          f"with the same collectives and bytes ({issued})")
+
+
+# ---------------------------------------------------------------- section 2: data_parallel
+
+def _sizes(hidden_dim, num_layers, batch_size, num_steps, seed):
+    return Sizes(check_int("hidden_dim", hidden_dim, 2), check_int("num_layers", num_layers),
+                 check_int("batch_size", batch_size), check_int("num_steps", num_steps, 2), check_int("seed", seed, 0))
+
+
+def configurations(world_size, sizes):
+    """The notebook's sizes, and 3 ranks with a hidden size 3 does not divide (uneven Shard(0) pieces)."""
+    local_batch_size = simple_fsdp.check_sizes(sizes.batch_size, world_size)
+    other = _other_world_size(world_size)
+    hidden = sizes.hidden_dim  # a hidden size `other` does not divide, and another one than the first run's
+    while other > 1 and (hidden % other == 0 or (other == world_size and hidden == sizes.hidden_dim)):
+        hidden += 1
+    return [(world_size, sizes),
+            (other, Sizes(hidden, sizes.num_layers, other * local_batch_size, sizes.num_steps, sizes.seed))]
+
+
+def _tolerance(model, want):
+    scale = want.abs().max().item() if want.numel() else 1.0
+    return FLOAT32_TOLERANCE * max(1.0, scale) if model == "awkward" else TOLERANCE
+
+
+def _verify_sharded(runs, model, mode, sizes, where):
+    """Each rank holds its Shard(0) rows of every parameter (fully_shard) or the whole of it (replicate)."""
+    n = len(runs)
+    shapes = {name: p.shape for name, p in simple_fsdp.build_model(model, sizes.hidden_dim, sizes.num_layers)
+              .named_parameters()}
+    for rank, run in enumerate(runs):
+        for name, shape in shapes.items():
+            got = tuple(run.local[name].shape) if name in run.local else None
+            rows = simple_fsdp.local_rows(shape[0], rank, n) if mode == "fully_shard" else shape[0]
+            want = (rows, *shape[1:])
+            if got != want:
+                kept = "its whole parameter" if got == tuple(shape) else f"a tensor of shape {got}"
+                frozen = " (a frozen parameter is sharded too: it is gathered, never reduce-scattered)" if (
+                    name.startswith("frozen")) else ""
+                raise AssertionError(f"{where}: rank {rank} keeps {kept} as {name!r}; {mode} keeps "
+                                     f"{'its Shard(0) rows' if mode == 'fully_shard' else 'the whole parameter'}, "
+                                     f"shape {want}{frozen}")
+
+
+def _verify_calls(runs, model, mode, where, regathered=0):
+    """Per step: fully_shard, one all-gather per parameter read (plus `regathered` in backward) and one
+    reduce-scatter per gradient; replicate, one all-reduce per gradient; nothing else."""
+    n = len(runs)
+    names = list(runs[0].local)
+    trainable = set(runs[0].first_grads) | {nm for nm in names if not nm.startswith("frozen")}
+    for rank, run in enumerate(runs):
+        for step, log in enumerate(run.calls):
+            used = simple_fsdp.used_parameters(model, step, names)
+            with_grad = [nm for nm in used if nm in trainable]
+            if mode == "fully_shard":
+                want = {"all-gather": len(used) + regathered, "reduce-scatter": len(with_grad), "all-reduce": 0}
+            else:
+                want = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": len(with_grad)}
+            got = {kind: simple_fsdp.count(log, kind) for kind in want}
+            others = [c for c in log if c.kind not in want]
+            if got != want or others:
+                said = ", ".join(f"{k} {kind}(s)" for kind, k in got.items()) + "".join(f", {c.kind}" for c in others)
+                wanted = ", ".join(f"{k} {kind}(s)" for kind, k in want.items())
+                raise AssertionError(f"{where}: on rank {rank} of {n}, step {step} issued {said}; expected {wanted} "
+                                     f"for its {len(used)} parameters read ({len(with_grad)} with a gradient)")
+
+
+def _verify_gradients(runs, model, mode, sizes, where):
+    """Step 0: each rank's .grad is its part (Shard(0) rows, or all) of the whole batch's gradient."""
+    n, whole = len(runs), simple_fsdp.first_gradients(model, sizes)
+    for rank, run in enumerate(runs):
+        local = simple_fsdp.first_gradients(model, sizes, rank, n)
+        for name, grad in whole.items():
+            part = (lambda t: simple_fsdp.local_shard(t, rank, n)) if mode == "fully_shard" else (lambda t: t)
+            want, got = part(grad), run.first_grads.get(name)
+            if got is None or got.shape != want.shape or max_abs_diff(got, want) > _tolerance(model, want):
+                hint = diagnose_gradient(got, want, part(local[name]), n)
+                raise AssertionError(f"{where}: at step 0, rank {rank}'s gradient of {name!r} is not its part of the "
+                                     f"whole batch's gradient: {hint}")
+
+
+def _verify_weights(runs, model, mode, sizes, where):
+    """After the steps: the shards put together (fully_shard), or every rank's parameters (replicate), equal the
+    single-process run's."""
+    reference, _ = simple_fsdp.train_single(model, sizes)
+    if mode == "fully_shard":
+        finals = {"the shards put together": {name: torch.cat([run.local[name] for run in runs]) for name in reference}}
+    else:
+        finals = {f"on rank {rank}": run.local for rank, run in enumerate(runs)}
+    for whose, weights in finals.items():
+        for name, want in reference.items():
+            got = weights[name]
+            diff = max_abs_diff(got, want) if got.shape == want.shape else float("inf")
+            if diff > _tolerance(model, want):
+                raise AssertionError(f"{where}: after {sizes.num_steps} AdamW steps, {name!r} ({whose}) differs from "
+                                     f"the single-process run's by {diff:.3g} (step 0's gradients were right)")
+
+
+def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
+    """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
+    by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
+                     what="data_parallel" + (" with reshard_after_forward" if reshard else ""), hint=UNEVEN,
+                     when=("invalid tensor size", "invalid gradient"))
+    return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
+
+
+def check_data_parallel(data_parallel, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
+    """data_parallel(model, mode) in both modes, on the MLP and the awkward model: against the single-process run,
+    FSDP2 on the MLP; one all-gather per parameter read and one reduce-scatter per gradient per step (fully_shard),
+    one all-reduce per gradient (replicate); each rank holds its Shard(0) rows only (fully_shard)."""
+    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    jobs = [(model, mode, False) for model in simple_fsdp.MODELS for mode in simple_fsdp.MODES]
+    for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
+        for (model, mode, _), runs in _runs(data_parallel, n, jobs, run_sizes).items():
+            where = f"data_parallel(mode={mode!r}) on {n} ranks, the {model} (hidden {run_sizes.hidden_dim})"
+            _verify_sharded(runs, model, mode, run_sizes, where)
+            _verify_calls(runs, model, mode, where)
+            _verify_gradients(runs, model, mode, run_sizes, where)
+            _verify_weights(runs, model, mode, run_sizes, where)
+        if k == 0:
+            fsdp2 = _spawn(simple_fsdp.fsdp2_main, n, run_sizes, what="FSDP2")
+            reference, losses = simple_fsdp.train_single("mlp", run_sizes)
+            for name, want in reference.items():
+                if max_abs_diff(fsdp2[0][0][name], want) > TOLERANCE:
+                    raise AssertionError(f"PyTorch's FSDP2 differs from the single-process run on {name!r}")
+    other = configurations(world_size, sizes)[1]
+    print(f"data_parallel: correct in both modes on {world_size} ranks (hidden {hidden_dim}) and {other[0]} ranks "
+          f"(hidden {other[1].hidden_dim}: uneven Shard(0) rows), on the MLP and on the awkward model (bias, "
+          f"embedding, frozen, unused every other step, float32 in float64); after {num_steps} AdamW steps equal to "
+          f"the single-process run to {TOLERANCE:g} (the awkward model to {FLOAT32_TOLERANCE:g}), as is FSDP2 on "
+          f"{world_size} ranks; per step and parameter: fully_shard 1 all-gather and 1 reduce-scatter, replicate "
+          f"1 all-reduce; each rank keeps only its rows")
+
+
+# ---------------------------------------------------------------- section 3: resharding after forward
+
+def check_reshard(data_parallel, reshard_after_forward, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                  seed=0):
+    """The same training with every forward inside reshard_after_forward(): the same weights; 1 gathered unit
+    alive at most in forward, 2 all-gathers per parameter per step; without it, every unit alive at the end of
+    forward. Returns {"kept": units, "resharded": units} on the notebook's sizes."""
+    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    units = {}
+    jobs = [("mlp", "fully_shard", True), ("awkward", "fully_shard", True), ("mlp", "fully_shard", False)]
+    for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
+        all_runs = _runs(data_parallel, n, jobs if k == 0 else jobs[:2], run_sizes, reshard_after_forward, track=True)
+        if k == 0:
+            kept = all_runs.pop(jobs[2])[0]
+        for (model, _, _), runs in all_runs.items():
+            where = f"reshard_after_forward on {n} ranks, the {model} (hidden {run_sizes.hidden_dim})"
+            if model == "mlp":
+                for rank, run in enumerate(runs):
+                    for (step, phase), alive in run.units_by_phase.items():
+                        if phase in ("forward", "backward") and alive > 1:
+                            raise AssertionError(f"{where}: on rank {rank}, up to {alive} gathered units were alive "
+                                                 f"at once in step {step}'s {phase}: a gathered weight is still kept "
+                                                 f"for backward; pack it as its shard, gather it again when unpacked")
+                # every weight again in backward, but the first layer's: its input needs no gradient, so x @ W.T
+                # saves no W for it
+                _verify_calls(runs, model, "fully_shard", where, regathered=run_sizes.num_layers - 1)
+            try:
+                _verify_gradients(runs, model, "fully_shard", run_sizes, where)
+                _verify_weights(runs, model, "fully_shard", run_sizes, where)
+            except AssertionError as e:
+                raise AssertionError(f"{e}. Without reshard_after_forward it is right: look at unpack_gathered, which "
+                                     f"must return the very view autograd saved (its size, stride and storage "
+                                     f"offset: as_strided), of the weight gathered again") from None
+            if k == 0 and model == "mlp":
+                units["resharded"] = {phase: max(v for (s, p), v in runs[0].units_by_phase.items() if p == phase)
+                                      for phase in ("forward", "backward")}
+    units["kept"] = {phase: max(v for (s, p), v in kept.units_by_phase.items() if p == phase)
+                     for phase in ("forward", "backward")}
+    print(f"reshard_after_forward: correct on {world_size} and {configurations(world_size, sizes)[1][0]} ranks, the "
+          f"MLP and the awkward model, weights equal to the single-process run's; per step on the MLP "
+          f"{2 * num_layers - 1} all-gathers (each layer's weight in forward, and again in backward but the first "
+          f"layer's, which backward does not need) and {num_layers} reduce-scatters; gathered units alive at most "
+          f"(forward, backward): kept for backward {units['kept']['forward']}, {units['kept']['backward']}; "
+          f"resharded {units['resharded']['forward']}, {units['resharded']['backward']}")
+    return units
+
+
+# ---------------------------------------------------------------- section 4: units
+
+def _verify_units(runs, unit, sizes, where):
+    """One flat shard per unit on each rank, the right rows; one all-gather and one reduce-scatter of the unit's
+    padded size per unit and step; the whole flat buffers equal the single-process run's parameters, in order;
+    no gathered buffer left after forward and backward."""
+    n, units = len(runs), simple_fsdp.num_units(unit, sizes.num_layers)
+    reference = [p.reshape(-1) for p in simple_fsdp.train_single("mlp", sizes)[0].values()]
+    per_unit = sizes.num_layers // units * sizes.hidden_dim**2  # elements per unit (the layers split evenly here)
+    for rank, run in enumerate(runs):
+        shapes = [tuple(t.shape) for t in run.local.values()]
+        want = [(simple_fsdp.local_rows(per_unit, rank, n),)] * units
+        if shapes != want:
+            raise AssertionError(f"{where}: rank {rank} trains tensors of shapes {shapes}; {units} unit(s) means "
+                                 f"{units} flat shard(s) of shape {want[0]}, and nothing else (remove the module's "
+                                 f"own parameters once they are in the flat shard: delattr)")
+        for step, log in enumerate(run.calls):
+            gathers = [c for c in log if c.kind == "all-gather"]
+            scatters = [c for c in log if c.kind == "reduce-scatter"]
+            k = simple_fsdp.shard_rows(per_unit, n) * runs[0].local[next(iter(run.local))].element_size()
+            if len(gathers) != units or len(scatters) != units or len(log) != 2 * units:
+                said = ", ".join(map(str, log))
+                raise AssertionError(f"{where}: rank {rank}'s step {step} issued {said}; {units} unit(s): one "
+                                     f"all-gather of the whole flat shard per unit in forward, one reduce-scatter "
+                                     f"per unit in backward")
+            if any(c.nbytes != k for c in gathers):
+                raise AssertionError(f"{where}: rank {rank}'s all-gathers take {[c.nbytes for c in gathers]} bytes; a "
+                                     f"unit's padded shard is {k} bytes")
+        for (step, phase), alive in run.units_by_phase.items():
+            if phase == "optimizer" and alive:
+                raise AssertionError(f"{where}: on rank {rank}, {alive} gathered buffer(s) still alive after step "
+                                     f"{step}'s backward: the views set on the module must be taken away after its "
+                                     f"forward (delattr), or they keep the whole unit gathered until the next step")
+    got = torch.cat([torch.cat([run.local[name] for run in runs]) for name in runs[0].local])
+    diff = max_abs_diff(got, torch.cat(reference)) if got.shape[0] == sum(r.numel() for r in reference) else None
+    if diff is None or diff > TOLERANCE:
+        what = "a different number of elements" if diff is None else f"values off by up to {diff:.3g}"
+        raise AssertionError(f"{where}: after {sizes.num_steps} AdamW steps, the flat shards put together hold {what} "
+                             f"against the single-process run's parameters, in order (flatten and concatenate them "
+                             f"in named_parameters order, and split the gathered buffer the same way)")
+
+
+def check_units(FlatUnit, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
+    """FlatUnit around each layer, each pair of layers and the whole MLP, on world_size ranks and on 3 with uneven
+    shards. Returns {unit: (collectives per step, bytes of one all-gather's input, peak gathered bytes, peak total
+    bytes)} on the notebook's sizes (rank 0)."""
+    sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
+    if num_layers % 2:
+        raise ValueError(f"num_layers must be even to make pairs of layers, got {num_layers}")
+    rows = {}
+    for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
+        by_rank = _spawn(simple_fsdp.units_runs_main, n, FlatUnit, simple_fsdp.UNITS, run_sizes, what="FlatUnit",
+                         hint=UNEVEN)
+        for j, unit in enumerate(simple_fsdp.UNITS):
+            runs = [runs_of_rank[j] for runs_of_rank in by_rank]
+            _verify_units(runs, unit, run_sizes, f"FlatUnit, one unit per {unit}, on {n} ranks "
+                                                 f"(hidden {run_sizes.hidden_dim})")
+            if k == 0:
+                run = runs[0]
+                gathers = [c for c in run.calls[-1] if c.kind == "all-gather"]
+                rows[unit] = (len(run.calls[-1]), gathers[0].nbytes, run.peak["gathered"], sum(run.peak.values()))
+    print(f"FlatUnit: correct on {world_size} and {configurations(world_size, sizes)[1][0]} ranks, one unit per "
+          f"layer, per pair of layers and for the whole model; after {num_steps} AdamW steps the flat shards equal "
+          f"the single-process run's parameters to {TOLERANCE:g}; per step one all-gather and one reduce-scatter per "
+          f"unit, of the unit's padded size; nothing gathered left after backward")
+    return rows
