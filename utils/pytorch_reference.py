@@ -7,6 +7,9 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 04  pipeline parallel  torch.distributed.pipelining       pipeline_schedule, pipeline_step, train_pipeline
     notebook 05  ZeRO-1             ZeroRedundancyOptimizer            zero_redundancy_optimizer
     notebook 05  FSDP               FSDP2 fully_shard                  fully_shard_mlp
+    notebook 06  mixed precision    FSDP2 MixedPrecisionPolicy         fully_shard_mlp_mixed_precision
+    notebook 07  sharded tensors    DTensor redistribute               dtensor_redistribute
+    notebook 08  checkpoints        torch.distributed.checkpoint       fsdp2_with_adamw, dcp_save, dcp_load
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
 """
@@ -132,8 +135,31 @@ def fully_shard_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.floa
     return fully_shard(model, mesh=mesh)
 
 
+def fully_shard_mlp_mixed_precision(world_size, hidden_dim, num_layers, seed=0, param_dtype=torch.bfloat16,
+                                    reduce_dtype=torch.float32):
+    """The course's MLP under FSDP2 with a MixedPrecisionPolicy. The sharded parameters stay fp32 (the
+    optimizer's master weights); each unit is cast to `param_dtype` before its all-gather and computes in it
+    (its inputs too); its gradient is cast to `reduce_dtype` before the reduce-scatter."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-# ---- notebook 08: checkpoints
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = build_mlp(hidden_dim, num_layers, seed, torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def dtensor_redistribute(local, src, dst, shape, mesh=None):
+    """DTensor's own redistribute: this rank's `local` tensor of a DTensor of global `shape` with placement `src`
+    on the 1-D mesh of all ranks, moved to placement `dst`; returns the new local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
+    stride = torch.empty(shape, device="meta").stride()
+    dtensor = DTensor.from_local(local, mesh, [src], run_check=False, shape=torch.Size(shape), stride=stride)
+    return dtensor.redistribute(mesh, [dst]).to_local()
+
 
 def fsdp2_with_adamw(world_size, hidden_dim, num_layers, seed=0, full_state=None, dtype=torch.float64):
     """The course's MLP under FSDP2 with AdamW; given `full_state` (every rank: {"model": {name: tensor},
@@ -177,33 +203,3 @@ def dcp_load(directory, model, optimizer, full=True):
         return None
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return {"model": model_state, "optim": {"state": optim_state["state"]}}
-
-
-# ---- notebook 07: DTensor, FSDP2
-
-def dtensor_redistribute(local, src, dst, shape, mesh=None):
-    """DTensor's own redistribute: this rank's `local` tensor of a DTensor of global `shape` with placement `src`
-    on the 1-D mesh of all ranks, moved to placement `dst`; returns the new local tensor."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = mesh if mesh is not None else init_device_mesh("cpu", (dist.get_world_size(),))
-    stride = torch.empty(shape, device="meta").stride()
-    dtensor = DTensor.from_local(local, mesh, [src], run_check=False, shape=torch.Size(shape), stride=stride)
-    return dtensor.redistribute(mesh, [dst]).to_local()
-
-
-# ---- notebook 06: mixed-precision FSDP
-
-def fully_shard_mlp_mixed_precision(world_size, hidden_dim, num_layers, seed=0, param_dtype=torch.bfloat16,
-                                    reduce_dtype=torch.float32):
-    """The course's MLP under FSDP2 with a MixedPrecisionPolicy. The sharded parameters stay fp32 (the
-    optimizer's master weights); each unit is cast to `param_dtype` before its all-gather and computes in it
-    (its inputs too); its gradient is cast to `reduce_dtype` before the reduce-scatter."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    model = build_mlp(hidden_dim, num_layers, seed, torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
