@@ -15,15 +15,14 @@ its Shard(0) local tensor and computes with its Replicate() form: the all-gather
 they come from torch.distributed (utils.intercept: the notebook's code) or from functional collectives
 (`torch.distributed._functional_collectives`: what DTensor and compiled code use).
 
-Also here: the runs the checks record (`train_main`, `units_main`: a Run per rank), a memory tracker that
-is not fooled by gloo's lingering references (`SettledMemoryTracker`), and the compiled version
+Also here: the runs the checks record (`train_main`, `units_main`: a Run per rank, measured with
+`utils.memory.SettledMemoryTracker`, which is not fooled by gloo's lingering references), and the compiled version
 (`functional_fully_shard`, `compiled_main`, inductor's bucketing pass on the captured graphs).
 """
 import contextlib
 import dataclasses
 import math
 import re
-import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from utils import pytorch_reference
 from utils.fsdp import ADAMW
 from utils.intercept import intercept
-from utils.memory import GATHER_OUTPUT, MemoryTracker, storages
+from utils.memory import SettledMemoryTracker
 from utils.model import EACH_RANK_SAME_ROWS, build_awkward_model, build_mlp, local_batch, loss_fn, make_batch
 from utils.sizes import check_int, divide
 
@@ -221,38 +220,6 @@ def first_gradients(model, sizes, rank=None, world_size=1):
 
 
 # ---------------------------------------------------------------- memory, measured without gloo's lingering references
-
-class SettledMemoryTracker(MemoryTracker):
-    """utils.memory.MemoryTracker, except that after each all-gather it waits (up to `patience` seconds) until
-    gloo has dropped its own references to the output buffer.
-
-    A blocking gloo collective returns as soon as its work is complete, but gloo's worker thread lets go of the
-    work, which holds the output tensor, a moment later: measured here, after about 1 all-gather in 10 (4 ranks
-    on 2 cores) the buffer was still referenced when the next all-gather started. Notebook 05 frees its
-    gathered buffers by hand, so it never sees this; a parametrization leaves the freeing to Python's reference
-    counting, and the count of gathered units alive would then depend on thread scheduling."""
-
-    def __init__(self, *args, patience=2.0, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.patience, self._before_call = patience, []
-
-    @staticmethod
-    def _use_count(storage):
-        return torch._C._storage_Use_Count(storage._cdata)
-
-    def _before(self, call, arguments):
-        if call.name in GATHER_OUTPUT:
-            outputs = storages(arguments[GATHER_OUTPUT[call.name]])
-            self._before_call = [(s, self._use_count(s)) for s in outputs]
-        super()._before(call, arguments)
-
-    def _after(self, call, arguments):
-        deadline = time.monotonic() + self.patience
-        while any(self._use_count(s) > n for s, n in self._before_call) and time.monotonic() < deadline:
-            time.sleep(0.0001)
-        self._before_call = []
-        super()._after(call, arguments)
-
 
 # ---------------------------------------------------------------- the runs the checks record
 
