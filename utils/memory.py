@@ -123,6 +123,20 @@ class MemoryTracker:
         return False
 
 
+class Saved:
+    """A tensor autograd saved for backward, as a saved_tensors_hooks pack returns it: an object of its own, so
+    that `released()` runs when autograd lets go of it (after the backward that needed it). Unpack with `unpack`."""
+
+    def __init__(self, tensor, released=None):
+        self.tensor = tensor
+        if released is not None:
+            weakref.finalize(self, released)
+
+
+def unpack(saved):
+    return saved.tensor
+
+
 class SettledMemoryTracker(MemoryTracker):
     """utils.memory.MemoryTracker, except that after each all-gather it waits (up to `patience` seconds) until
     gloo has dropped its own references to the output buffer.

@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import functools
 import math
-import weakref
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ import torch.nn as nn
 from utils import fsdp, pytorch_reference
 from utils import pipeline as pp
 from utils.bench import interleaved_seconds
-from utils.memory import FP32, MIXED, MemoryTracker
+from utils.memory import FP32, MIXED, MemoryTracker, Saved, unpack
 from utils.model import build_mlp, generator, local_batch, loss_fn, make_batch, step_batches, train
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -386,7 +385,7 @@ class Recomputed(nn.Module):
 class PeakSavedBytes:
     """Inside the block, the bytes autograd holds for backward at the worst moment: what SavedActivations counts
     (the model's parameters left out), but each saved tensor counted only while the graph keeps it (a
-    weakref.finalize on what the hook packs, as utils.pipeline.record_step does for micro-batches), so a backward
+    utils.memory.Saved, as utils.pipeline.record_step counts micro-batches), so a backward
     that frees a micro-batch gives its bytes back. Each tensor's own bytes, once while any node holds it: a
     micro-batch is a view of the batch, and the recomputed input is the saved one, detached."""
 
@@ -397,14 +396,13 @@ class PeakSavedBytes:
 
     def pack(self, tensor):
         key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
-        holder = _Held(tensor)
-        if key[0] not in self.parameters:
-            if not self.holders.get(key):
-                self.alive += key[1]
-                self.peak = max(self.peak, self.alive)
-            self.holders[key] = self.holders.get(key, 0) + 1
-            weakref.finalize(holder, self.release, key)
-        return holder
+        if key[0] in self.parameters:
+            return Saved(tensor)
+        if not self.holders.get(key):
+            self.alive += key[1]
+            self.peak = max(self.peak, self.alive)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        return Saved(tensor, functools.partial(self.release, key))
 
     def release(self, key):
         self.holders[key] -= 1
@@ -413,17 +411,12 @@ class PeakSavedBytes:
             self.alive -= key[1]
 
     def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda holder: holder.tensor)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
         self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         return self.hooks.__exit__(*exc)
-
-
-class _Held:
-    def __init__(self, tensor):
-        self.tensor = tensor
 
 
 def gpipe_saved_formula(micro_batch_size, hidden_dim, num_layers, is_last, num_micro_batches, element_size,

@@ -20,8 +20,8 @@ the plots need to know about a step is recorded from outside the stage, by whoev
 """
 import contextlib
 import dataclasses
+import functools
 import time
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from utils.intercept import intercept
+from utils.memory import Saved, unpack
 from utils.model import Layer, detached_parameters, layer_weight, make_batch, make_optimizer, step_batches, train
 from utils.sizes import check_int, divide
 
@@ -130,25 +131,15 @@ class _Recorder:
             lambda: self.record.events.append(Event("B", micro_batch, start, self.clock())))
 
     def pack(self, tensor):
-        holder, micro_batch = _Saved(tensor), self.current
+        micro_batch = self.current
         self.alive[micro_batch] = self.alive.get(micro_batch, 0) + 1
         self.record.peak_alive = max(self.record.peak_alive, len(self.alive))
-        weakref.finalize(holder, self.release, micro_batch)
-        return holder
+        return Saved(tensor, functools.partial(self.release, micro_batch))
 
     def release(self, micro_batch):
         self.alive[micro_batch] -= 1
         if not self.alive[micro_batch]:
             del self.alive[micro_batch]
-
-
-class _Saved:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def _unpack(holder):
-    return holder.tensor
 
 
 @contextlib.contextmanager
@@ -158,7 +149,7 @@ def record_step(stage, clock=time.perf_counter):
     recorder = _Recorder(stage, record, clock)
     with contextlib.ExitStack() as stack:
         record.calls = stack.enter_context(intercept(clock=clock))
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack))
         for handle in recorder.hooks():
             stack.callback(handle.remove)
         yield record

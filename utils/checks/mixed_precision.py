@@ -430,20 +430,20 @@ def _verify_master_shards(runs, where):
 
 def _verify_collective_dtypes(runs, unit_numel, shard_numel, where):
     """Every all-gather fills a bf16 unit (2 bytes per element); every reduce-scatter leaves an fp32 shard."""
+    rules = {  # collective: (elements, bytes per element, what it must have done, the hint when it did not)
+        "all_gather": (unit_numel, 2, "an all-gather filled {said} ({nbytes} bytes for {numel} elements), not bf16 "
+                       "({want}): all-gathered in fp32; cast the shard to param_dtype before the all-gather (half the "
+                       "bytes), not after it"),
+        "reduce_scatter": (shard_numel, 4, "a reduce-scatter left a {said} shard ({nbytes} bytes for {numel} "
+                           "elements), not fp32: reduce-scattered in bf16; cast the gradient to reduce_dtype (fp32) "
+                           "before the reduce-scatter: a sum kept in bf16 rounds at every addition (section 3)")}
     for rank, run in enumerate(runs):
         for call in run.calls:
-            if call.name.startswith("all_gather") and call.nbytes != 2 * unit_numel:
-                said = "fp32" if call.nbytes == 4 * unit_numel else f"{call.nbytes} bytes"
-                raise AssertionError(f"{where}: on rank {rank}, an all-gather filled {said} ({call.nbytes} bytes for "
-                                     f"{unit_numel} elements), not bf16 ({2 * unit_numel}): all-gathered in fp32; "
-                                     f"cast the shard to param_dtype before the all-gather (half the bytes), not "
-                                     f"after it")
-            if call.name.startswith("reduce_scatter") and call.nbytes != 4 * shard_numel:
-                said = "bf16" if call.nbytes == 2 * shard_numel else f"{call.nbytes} bytes"
-                raise AssertionError(f"{where}: on rank {rank}, a reduce-scatter left a {said} shard ({call.nbytes} "
-                                     f"bytes for {shard_numel} elements), not fp32: reduce-scattered in bf16; cast the "
-                                     f"gradient to reduce_dtype (fp32) before the reduce-scatter: a sum kept in bf16 "
-                                     f"rounds at every addition (section 3)")
+            for name, (numel, size, hint) in rules.items():
+                if call.name.startswith(name) and call.nbytes != size * numel:
+                    said = {2 * numel: "bf16", 4 * numel: "fp32"}.get(call.nbytes, f"{call.nbytes} bytes")
+                    raise AssertionError(f"{where}: on rank {rank}, " + hint.format(
+                        said=said, nbytes=call.nbytes, numel=numel, want=size * numel))
 
 
 def _close(got, want):
