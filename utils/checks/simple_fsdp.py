@@ -30,17 +30,26 @@ def _other_world_size(world_size):
     return runnable_world_sizes([3])[0]
 
 
-def _spawn(fn, world_size, *args, what, hint="", when=("invalid tensor size",)):
-    """spawn, with a rank's failure turned into an AssertionError; `hint` added when the error says one of `when`."""
+def _spawn(fn, world_size, *args, what, hints):
+    """spawn, with a rank's failure turned into an AssertionError; hints: {text in the error: what it means}."""
     try:
         return spawn(fn, world_size, *args, timeout=CHECK_TIMEOUT)
     except RankError as e:
-        hint = hint if any(text in str(e) for text in when) else ""
+        hint = next((hint for text, hint in hints.items() if text in str(e)), "")
         raise AssertionError(f"{what} failed on {world_size} ranks{hint}: {e}") from e
 
 
 UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad each shard to k = ceil(rows / N) rows "
           "before it, and drop the padding after)")
+FLAT_UNIT_CRASHES = {
+    "invalid tensor size": UNEVEN,
+    "cannot assign": " (the module still has its own parameters where forward sets the views: delete them from the "
+                     "module once the flat shard holds their values; the flat shard is the unit's only parameter)",
+    "invalid gradient": " (Unshard's backward returns one rank's shard of the padded flat gradient: flat_shard must be "
+                        "this rank's shard of the padded flat buffer, not the whole buffer)",
+    "does not require grad": " (all-gather self.flat_shard itself, not a detached copy: its gradient reaches the shard "
+                             "only through Unshard's backward)",
+}
 
 
 # ---------------------------------------------------------------- section 1: redistribute
@@ -106,7 +115,8 @@ def check_redistribute(redistribute, world_size, seed=0):
     seed = check_int("seed", seed, 0)
     sizes = sorted({world_size, _other_world_size(world_size)})
     for n in sizes:
-        by_rank = _spawn(redistribute_main, n, redistribute, shapes_for(n), seed, what="redistribute", hint=UNEVEN)
+        by_rank = _spawn(redistribute_main, n, redistribute, shapes_for(n), seed, what="redistribute",
+                         hints={"invalid tensor size": UNEVEN})
         for rank, results in enumerate(by_rank):
             for shape, src, dst, (ours, ours_log), (theirs, theirs_log) in results:
                 what = f"redistribute {_name(src)} -> {_name(dst)} of shape {shape} on rank {rank} of {n}"
@@ -230,8 +240,8 @@ def _verify_weights(runs, model, mode, sizes, where):
 def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
     """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
     by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
-                     what="data_parallel" + (" with reshard_after_forward" if reshard else ""), hint=UNEVEN,
-                     when=("invalid tensor size", "invalid gradient"))
+                     what="data_parallel" + (" with reshard_after_forward" if reshard else ""),
+                     hints={"invalid tensor size": UNEVEN, "invalid gradient": UNEVEN})
     return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
 
 
@@ -249,7 +259,7 @@ def check_data_parallel(data_parallel, world_size, hidden_dim, num_layers, batch
             _verify_gradients(runs, model, mode, run_sizes, where)
             _verify_weights(runs, model, mode, run_sizes, where)
         if k == 0:
-            fsdp2 = _spawn(simple_fsdp.fsdp2_main, n, run_sizes, what="FSDP2")
+            fsdp2 = _spawn(simple_fsdp.fsdp2_main, n, run_sizes, what="FSDP2", hints={})
             reference, losses = simple_fsdp.train_single("mlp", run_sizes)
             for name, want in reference.items():
                 if max_abs_diff(fsdp2[0][0][name], want) > TOLERANCE:
@@ -362,7 +372,7 @@ def check_units(FlatUnit, world_size, hidden_dim, num_layers, batch_size, num_st
     rows = {}
     for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
         by_rank = _spawn(simple_fsdp.units_runs_main, n, FlatUnit, simple_fsdp.UNITS, run_sizes, what="FlatUnit",
-                         hint=UNEVEN)
+                         hints=FLAT_UNIT_CRASHES)
         for j, unit in enumerate(simple_fsdp.UNITS):
             runs = [runs_of_rank[j] for runs_of_rank in by_rank]
             _verify_units(runs, unit, run_sizes, f"FlatUnit, one unit per {unit}, on {n} ranks "
