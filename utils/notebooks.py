@@ -14,13 +14,12 @@ at the region's indentation and drops every output; everything else is kept as i
 import argparse
 import ast
 import copy
+import json
 import linecache
 import re
 import sys
 import types
 from pathlib import Path
-
-import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -67,14 +66,22 @@ def student_notebook(solution, name="notebook"):
     return nb
 
 
+def read(path):
+    """A notebook file as nbformat's node. (nbformat is imported here, not at the top: a kernel that only calls
+    solution() should not pay for it, 1.5 s with the IRI grammar jsonschema builds on import.)"""
+    import nbformat
+    return nbformat.read(path, as_version=4)
+
+
 def render(nb):
+    import nbformat
     return nbformat.writes(nb) + "\n"
 
 
 def expected_notebooks(root=ROOT):
     """{path of a student notebook: the text it should have}, from root/solutions."""
     return {root / "notebooks" / path.name:
-            render(student_notebook(nbformat.read(path, as_version=4), name=str(path.relative_to(root))))
+            render(student_notebook(read(path), name=str(path.relative_to(root))))
             for path in sorted((root / "solutions").glob("*.ipynb"))}
 
 
@@ -123,8 +130,8 @@ def solution(name, replace=None, root=ROOT):
     occur exactly once in the notebook (a test whose edit no longer applies fails, naming it). Each
     call builds a new module: functions defined in it travel to the ranks by value."""
     path = root / "solutions" / f"{name}.ipynb"
-    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
-    sources = [c.source for c in cells]
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    sources = ["".join(c["source"]) for c in cells]
     for old, new in (replace or {}).items():
         found = sum(source.count(old) for source in sources)
         if found != 1:
@@ -132,7 +139,7 @@ def solution(name, replace=None, root=ROOT):
         sources = [source.replace(old, new) for source in sources]
     module = types.ModuleType(f"solution_{name}")  # not in sys.modules: cloudpickle ships its functions by value
     for i, (cell, source) in enumerate(zip(cells, sources)):
-        keep = "parameters" in cell.metadata.get("tags", [])
+        keep = "parameters" in cell["metadata"].get("tags", [])
         tree = ast.parse(source)
         tree.body = [node for node in tree.body if keep or isinstance(node, DEFINITIONS)]
         filename = f"<{path.name}, cell {i}>"
@@ -154,7 +161,7 @@ def main(argv=None):
         source = Path(args.script)
         out = Path(args.output) if args.output else root / "build" / (source.stem + ".py")
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(script(nbformat.read(source, as_version=4), source.name, timing=not args.no_timing))
+        out.write_text(script(read(source), source.name, timing=not args.no_timing))
         print(out)
         return 0
     if args.check:

@@ -1,0 +1,19 @@
+"""The course's pytest settings that take code, loaded first (`-p utils.pytest_plugin` in pyproject.toml).
+
+- How many workers `-n auto` starts (pytest-xdist): two for the suite (a folder, or several files), since one
+  alone leaves a core of two idle (8.5 min instead of 5 here); none for a single file, such as the notebook a
+  student checks: starting two workers costs about 4 s, more than they could save on one notebook, whose cells
+  run in order in one kernel.
+- No IRI grammar: nbval imports nbformat, which imports jsonschema, which builds a parser for RFC 3987 (IRIs)
+  on import if rfc3987_syntax is installed (jupyter's dependencies install it): 1.5 s of every pytest start,
+  for a format no notebook schema uses. This plugin loads before nbval, so jsonschema finds it unavailable.
+"""
+import sys
+from pathlib import Path
+
+sys.modules.setdefault("rfc3987_syntax", None)  # None in sys.modules: `import rfc3987_syntax` raises ImportError
+
+
+def pytest_xdist_auto_num_workers(config):
+    paths = {Path(arg.split("::")[0]) for arg in config.args}
+    return 2 if len(paths) > 1 or any(p.is_dir() for p in paths) else 0
