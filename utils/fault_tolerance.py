@@ -473,7 +473,8 @@ def elastic_main(root, sizes, student, save_every, faults=(), timeout=60.0):
 
     def log(event, **details):
         with open(events, "a") as f:
-            f.write(json.dumps({"attempt": attempt, "rank": rank, "event": event, "time": time.time(), **details}) + "\n")
+            record = {"attempt": attempt, "rank": rank, "event": event, "time": time.time(), **details}
+            f.write(json.dumps(record) + "\n")
 
     log("started")
     torch.set_num_threads(1)
@@ -748,7 +749,8 @@ def controller_main(rank, world_size, train_step, init_file, hidden_dim, num_lay
                 optimizer = RecordingOptimizer(stages)
                 losses = [train_step(stages, optimizer, batch, num_micro_batches)
                           for batch in step_batches(batch_size, hidden_dim, seed, num_steps)]
-                losses = [float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss for loss in losses]
+                losses = [float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss
+                          for loss in losses]
                 run = ControllerRun(optimizer.first_grads, [rpc.rpc_sync(s.owner(), weights_of, args=(s,))
                                                             for s in stages], losses, optimizer.steps)
         finally:

@@ -414,7 +414,8 @@ def _latest_hint(got, want, case, root):
     kind = case[1] or {}
     if isinstance(got, str) and os.path.dirname(os.path.normpath(got)) != os.path.normpath(root):
         return f"it returned {got!r}: return the checkpoint's folder, os.path.join(root, 'step_{{k}}')"
-    if name is not None and any(name == f"step_{s}" for s in (*kind.get("incomplete", ()), *kind.get("half_written", ()))):
+    unfinished = (*kind.get("incomplete", ()), *kind.get("half_written", ()))
+    if name is not None and any(name == f"step_{s}" for s in unfinished):
         return (f"it chose {name}, whose saving did not finish (no metadata.json: it is written last): "
                 f"take only complete checkpoints")
     steps = kind.get("complete", ())
@@ -503,8 +504,8 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
                              f"be part of the one loss, with one backward per context") from None
     where = f"{num_stages} stages, {num_micro_batches} micro-batches"
     if run.optimizer_steps != num_steps:
-        why = ("never: call optimizer.step(context_id) inside the distributed autograd context" if not run.optimizer_steps
-               else "once per step, after the backward of every micro-batch")
+        why = ("once per step, after the backward of every micro-batch" if run.optimizer_steps
+               else "never: call optimizer.step(context_id) inside the distributed autograd context")
         raise AssertionError(f"{where}: the optimizer stepped {run.optimizer_steps} times in {num_steps} steps; "
                              f"expected {num_steps}: {why}")
     want_grads, want_weights = _single_process(num_layers=num_layers, num_stages=num_stages, seed=seed,
@@ -518,8 +519,9 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
                                      f"inside the context (a local loss.backward() stops at the RPC boundary)")
             diff = max_abs_diff(got, want)
             if diff > TOLERANCE:
+                hint = _controller_hint(got, want, num_micro_batches)
                 raise AssertionError(f"{where}: step 0's gradient of stage {s}'s weight {i} differs from the "
-                                     f"single-process run's by {diff:.3g}: {_controller_hint(got, want, num_micro_batches)}")
+                                     f"single-process run's by {diff:.3g}: {hint}")
     for s, (got_stage, want_stage) in enumerate(zip(run.weights, want_weights)):
         for i, (got, want) in enumerate(zip(got_stage, want_stage)):
             diff = max_abs_diff(got, want)
