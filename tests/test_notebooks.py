@@ -15,6 +15,7 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from utils import notebooks
+from utils.pytest_plugin import retry_kernel_start
 
 ROOT = notebooks.ROOT
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -139,12 +140,38 @@ def execute(path, skip_timing=False, **env):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        retry_kernel_start(NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                                          resources={"metadata": {"path": str(path.parent)}}).execute)()
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return nb
+
+
+def test_a_kernel_that_dies_at_its_start_is_started_again_and_nothing_else_is_retried():
+    """Two workers: the other's ranks may take a port jupyter_client picked for a kernel before the kernel binds it."""
+    calls = []
+
+    def start(fail):
+        calls.append(fail)
+        if len(calls) <= fail:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return "kernel"
+
+    assert retry_kernel_start(start)(2) == "kernel" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="died"):
+        retry_kernel_start(start)(3)
+    assert len(calls) == 3
+    calls.clear()
+
+    def broken():
+        calls.append(0)
+        raise RuntimeError("No such kernel named python4")
+
+    with pytest.raises(RuntimeError, match="python4"):
+        retry_kernel_start(broken)()
+    assert len(calls) == 1
 
 
 def errors(nb):
