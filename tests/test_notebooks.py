@@ -15,7 +15,7 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from utils import notebooks
-from utils.pytest_plugin import retry_kernel_start
+from utils.notebooks import retry_kernel_start
 
 ROOT = notebooks.ROOT
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -239,7 +239,7 @@ def test_interrupting_the_kernel_stops_the_ranks_and_the_next_cell_works(tmp_pat
     """The stop button in Jupyter: the ranks of the interrupted cell must not outlive it."""
     from jupyter_client.manager import start_new_kernel
 
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    manager, client = retry_kernel_start(start_new_kernel)(kernel_name="python3", cwd=str(tmp_path))
     try:
         stuck = (f"import os, time\nfrom utils.launch import spawn\n"
                  f"def stuck(rank, world_size):\n"

@@ -21,7 +21,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-from utils.notebooks import BEGIN, END
+from utils.notebooks import BEGIN, END, retry_kernel_start
 
 OPS = ("all_reduce reduce_scatter reduce_scatter_tensor reduce_scatter_single all_gather all_gather_into_tensor "
        "all_gather_single broadcast reduce scatter gather send recv isend irecv batch_isend_irecv all_to_all "
@@ -66,7 +66,8 @@ def mutant(nb, site):
 def run_notebook(nb, cwd, timeout=240):
     """None when every cell ran, else a short reason (the last line of the error)."""
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+        retry_kernel_start(client.execute)()
         return None
     except CellExecutionError as e:
         return "error: " + str(e).strip().splitlines()[-1][:160]

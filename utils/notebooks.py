@@ -14,6 +14,7 @@ at the region's indentation and drops every output; everything else is kept as i
 import argparse
 import ast
 import copy
+import functools
 import json
 import linecache
 import re
@@ -146,6 +147,26 @@ def solution(name, replace=None, root=ROOT):
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
         exec(compile(tree, filename, "exec"), module.__dict__)
     return module
+
+
+KERNEL_STARTS = 3
+KERNEL_DIED = "died before replying"  # jupyter_client's RuntimeError: "Kernel died before replying to kernel_info"
+
+
+def retry_kernel_start(start):
+    """`start` (which starts a kernel and waits for its first reply), tried up to KERNEL_STARTS times if the kernel
+    dies first. jupyter_client picks a kernel's five TCP ports by binding port 0 and closing the socket; until the
+    kernel binds them, any process may take one (two pytest workers: the other's ranks, whose gloo connections take
+    ephemeral ports), and the kernel dies with "Address already in use". A new start picks new ports."""
+    @functools.wraps(start)
+    def start_again_if_it_died(*args, **kwargs):
+        for attempt in range(1, KERNEL_STARTS + 1):
+            try:
+                return start(*args, **kwargs)
+            except RuntimeError as e:
+                if KERNEL_DIED not in str(e) or attempt == KERNEL_STARTS:
+                    raise
+    return start_again_if_it_died
 
 
 def main(argv=None):

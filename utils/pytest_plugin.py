@@ -7,36 +7,18 @@
 - No IRI grammar: nbval imports nbformat, which imports jsonschema, which builds a parser for RFC 3987 (IRIs)
   on import if rfc3987_syntax is installed (jupyter's dependencies install it): 1.5 s of every pytest start,
   for a format no notebook schema uses. This plugin loads before nbval, so jsonschema finds it unavailable.
-- A kernel that dies at its start is started again (twice at most): jupyter_client picks a kernel's five TCP ports
-  by binding port 0 and closing the socket, and until the kernel binds them any process may take one (here the
-  other worker's ranks, whose gloo connections take ephemeral ports): the kernel then dies with "Address already
-  in use" before its first reply. A new start picks new ports.
+- nbval's kernels are started again if they die at their start (utils.notebooks.retry_kernel_start says why).
 """
-import functools
 import sys
 from pathlib import Path
 
 sys.modules.setdefault("rfc3987_syntax", None)  # None in sys.modules: `import rfc3987_syntax` raises ImportError
 
-KERNEL_STARTS = 3
-KERNEL_DIED = "died before replying"  # jupyter_client's RuntimeError: "Kernel died before replying to kernel_info"
-
-
-def retry_kernel_start(start):
-    """`start` (which starts a kernel and waits for its first reply), tried up to KERNEL_STARTS times."""
-    @functools.wraps(start)
-    def start_again_if_it_died(*args, **kwargs):
-        for attempt in range(1, KERNEL_STARTS + 1):
-            try:
-                return start(*args, **kwargs)
-            except RuntimeError as e:
-                if KERNEL_DIED not in str(e) or attempt == KERNEL_STARTS:
-                    raise
-    return start_again_if_it_died
-
 
 def pytest_configure(config):
     import nbval.kernel
+
+    from utils.notebooks import retry_kernel_start
     nbval.kernel.start_new_kernel = retry_kernel_start(nbval.kernel.start_new_kernel)
 
 
