@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,13 +43,6 @@ from utils.model import (
 )
 from utils.sizes import check_int, divide
 from utils.tensor_parallel import local_part
-
-# Imported in the caller, so that forked ranks inherit it: the package of PyTorch's ZeroRedundancyOptimizer
-# compiles TorchScript optimizers on import, 0.9 s in every rank of every call otherwise. (It warns that
-# torch.jit.script is deprecated: PyTorch's own use, nothing the course can change.)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import torch.distributed.optim  # noqa: F401
 
 ADAMW = make_optimizer([torch.zeros(1)], "adamw").defaults  # the course's AdamW settings
 ADAMW = dict(lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"], foreach=False)

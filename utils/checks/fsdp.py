@@ -10,6 +10,8 @@ train utils.model's awkward model (a bias, a frozen parameter, one without a gra
 step, a float32 parameter in a float64 model, a buffer, an embedding); the prefetcher also trains an
 MLP behind an embedding-like unit, whose backward gathers nothing.
 """
+import warnings
+
 import torch
 
 from utils import fsdp
@@ -27,6 +29,14 @@ MODEL_NAMES = {"mlp": "the MLP", "awkward": "the awkward model", "embedded": "th
 # through it, every parameter of the later steps agree to float32's precision only (with a float64 `gate`
 # they agree to TOLERANCE).
 FLOAT32_TOLERANCE = 1e-6
+
+# Imported in the caller (ranks import utils.fsdp, never this module), so that forked ranks inherit it: the package
+# of PyTorch's ZeroRedundancyOptimizer compiles TorchScript optimizers on import, 0.9 s in every rank of every
+# ZeRO check otherwise. Not in utils.fsdp: warm ranks (the spawn start method) import that one in every call.
+# (The warnings: torch.jit.script is deprecated, PyTorch's own use.)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch.distributed.optim  # noqa: F401
 
 
 def checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed):
