@@ -6,6 +6,7 @@
                                            write build/00_setup.py, to run under torchrun
 
     solution("02_data_parallel").average_gradients       the solution's own code, for the tests
+    retry_kernel_start(start)                            a kernel start that lost its port race, tried again
 
 In a solution, an exercise's answer sits between `### BEGIN SOLUTION` and `### END SOLUTION`
 (nbgrader's markers). The student copy replaces each region by `raise NotImplementedError(...)`
