@@ -12,6 +12,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.modules.setdefault("rfc3987_syntax", None)  # None in sys.modules: `import rfc3987_syntax` raises ImportError
 
 
@@ -22,6 +24,7 @@ def pytest_configure(config):
     nbval.kernel.start_new_kernel = retry_kernel_start(nbval.kernel.start_new_kernel)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (one per core): this plugin registers before xdist
 def pytest_xdist_auto_num_workers(config):
     paths = {Path(arg.split("::")[0]) for arg in config.args}
     return 2 if len(paths) > 1 or any(p.is_dir() for p in paths) else 0
