@@ -472,17 +472,18 @@ def _where_stuck(procs, ranks, rundir, wait=10.0):
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[rank].pid, signal.SIGUSR1)
     deadline = time.monotonic() + wait
-    stacks = {}
-    for rank in ranks:
-        path, text, previous = os.path.join(rundir, f"{rank}.stack"), "", None
-        while time.monotonic() < deadline and not (_main_thread_complete(text) or (text == previous and
-                                                                                  _main_thread_frames(text))):
-            previous = text
-            time.sleep(0.1)
-            with contextlib.suppress(FileNotFoundError), open(path) as f:
-                text = f.read()
-        stacks[rank] = _innermost_user_frame(text)
-    return stacks
+    texts, changed = dict.fromkeys(ranks, ""), time.monotonic()
+    while time.monotonic() < deadline:  # the ranks write at once: read them all in each round
+        time.sleep(0.01)
+        for rank in ranks:
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(rundir, f"{rank}.stack")) as f:
+                if (text := f.read()) != texts[rank]:
+                    texts[rank], changed = text, time.monotonic()
+        if all(_main_thread_complete(text) for text in texts.values()):
+            break
+        if all(_main_thread_frames(text) for text in texts.values()) and time.monotonic() - changed > 0.1:
+            break  # no end mark (the main thread came last in a dump): none grew for 0.1 s
+    return {rank: _innermost_user_frame(text) for rank, text in texts.items()}
 
 
 def _main_thread_frames(text):
