@@ -286,7 +286,7 @@ def bytes_per_step(rank, world_size, versions, sizes, bucket_size_mb):
     return sent
 
 
-def seconds_per_step(rank, world_size, versions, sizes, bucket_size_mb, repeat=7, warmup=1):
+def seconds_per_step(rank, world_size, versions, sizes, bucket_size_mb, repeat=5, warmup=1):
     """{name: [seconds of each timed step, from the slowest rank]}: the versions timed in turns, `repeat`
     rounds after `warmup` untimed ones, so that the spread shows next to the median."""
     steps = make_train_steps(rank, world_size, versions, sizes, bucket_size_mb)
