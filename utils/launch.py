@@ -43,7 +43,6 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
-import importlib
 import io
 import linecache
 import multiprocessing as mp
@@ -69,11 +68,9 @@ import torch.distributed as dist
 
 START_METHOD_ENV = "SPAWN_START_METHOD"
 WARM_ENV = "SPAWN_WARM"
-# Modules torch imports on first use, seconds' worth: sympy when a module is built on the meta device,
-# torch._dynamo when an optimizer is made. Imported once in the caller (and the forkserver), so that
-# a forked rank does not import them again in every call.
-LAZY_IMPORTS = ("sympy", "torch._dynamo")
-PRELOAD = ["torch", "torch.distributed", "cloudpickle", *LAZY_IMPORTS]  # what the forkserver imports; never utils
+# What the forkserver imports, so that its forks (the warm ranks) start with it: never utils (an edited file must be
+# seen); torch._dynamo (and sympy with it), which every optimizer imports when it is made: a second per rank.
+PRELOAD = ["torch", "torch.distributed", "cloudpickle", "torch._dynamo"]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
 STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
@@ -233,8 +230,6 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as e:
         raise TypeError(f"spawn: cannot send fn and its arguments to the ranks: {e}") from e
-    for name in LAZY_IMPORTS:
-        importlib.import_module(name)
     rundir = tempfile.mkdtemp(prefix="spawn-")
     procs, ready = [], []
     try:
