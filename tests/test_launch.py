@@ -741,12 +741,12 @@ def test_good_arguments_reach_process_start(no_process_may_start):
 # ---------------------------------------------------------------- 11. torchrun
 
 @pytest.mark.one_start_method
-def test_under_torchrun():
+def test_under_torchrun(tmp_path):
     """11: under torchrun, fn runs in the torchrun ranks themselves; world_size must match."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "tests/torchrun_spawn.py"],
-        cwd=REPO, env=_subprocess_env(), capture_output=True, text=True, timeout=120)
+         "tests/torchrun_spawn.py"],  # TMPDIR: torchrun's log folder (torchelastic_*) goes where pytest cleans up
+        cwd=REPO, env={**_subprocess_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     for rank in range(2):

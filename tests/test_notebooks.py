@@ -219,8 +219,9 @@ def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
     timing = [] if nproc == 4 else ["--no-timing"]
     assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script), *timing]) == 0
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={nproc}", str(script)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          f"--nproc_per_node={nproc}", str(script)],  # TMPDIR: torchrun's log folder too
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
