@@ -303,7 +303,7 @@ CONTROLLER = [
     ({LOSS: "            loss = loss_fn(x) / num_micro_batches\n"}, "each micro-batch's output must be part of the one loss"),
     # a local backward: it stops at the RPC boundary, the stages get no gradient in the context
     ({"        dist_autograd.backward(context_id, [loss])\n": "        loss.backward()\n"},
-     "got no gradient in the distributed autograd context|the controller's run failed"),
+     "got no gradient in the distributed autograd context|the distributed autograd context ran no backward"),
     # no optimizer step
     ({"        optimizer.step(context_id)\n": ""}, "stepped 0 times in 2 steps"),
     # a backward and a step per micro-batch
@@ -312,6 +312,9 @@ CONTROLLER = [
       "            loss = loss + loss_fn(x) / num_micro_batches\n"
       "            dist_autograd.backward(context_id, [loss_fn(x) / num_micro_batches])\n"
       "            optimizer.step(context_id)\n"}, "with one backward per context"),
+    # a stage skipped: the micro-batch never goes over RPC, the loss is the input's (the mutation run's RPC mutant)
+    ({"                x = stage.rpc_sync().forward(x)\n": "                x = x\n"},
+     "the loss does not depend on what the stages computed"),
     # the stages in the wrong order
     ({"            for stage in stages:\n": "            for stage in reversed(stages):\n"},
      "not the whole batch's gradient"),

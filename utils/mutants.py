@@ -4,7 +4,10 @@
 
 Inside each `### BEGIN SOLUTION ... ### END SOLUTION` region, every line that calls a
 torch.distributed communication function (all_reduce, isend, all_gather_single, ...) is, one at a
-time, turned into a no-op that returns a completed handle: a mutant. Each mutant notebook is run top
+time, turned into a no-op that returns a completed handle: a mutant. So is every RPC (notebook 08):
+`rpc.rpc_sync`, `rpc.rpc_async` and `rpc.remote` and distributed autograd's `backward` become that
+no-op, and a method called on an RRef (`stage.rpc_sync().forward(x)`) hands back its first argument,
+as if the remote stage had been skipped. Each mutant notebook is run top
 to bottom in a fresh kernel, without its timing cells (tag `nbval-ignore-output`): a check must
 notice, not a benchmark. A mutant is killed when some cell fails (a check's AssertionError, the
 launcher's TimeoutError, any error). A survivor is a solution that skips that call and still
@@ -27,11 +30,15 @@ OPS = ("all_reduce reduce_scatter reduce_scatter_tensor reduce_scatter_single al
        "all_gather_single broadcast reduce scatter gather send recv isend irecv batch_isend_irecv all_to_all "
        "all_to_all_single").split()
 CALL = re.compile(r"\b(?:dist|torch\.distributed)\.(" + "|".join(OPS) + r")\(")
+RPC_CALL = re.compile(r"\b(?:rpc\.(?:rpc_sync|rpc_async|remote)|dist_autograd\.backward)\(")
+REMOTE_METHOD = re.compile(r"[\w.\[\]]+\.(?:rpc_sync|rpc_async|remote)\(\)\.\w+\(")  # rref.rpc_sync().forward(
+MUTATIONS = ((CALL, "_mutant_no_op("), (RPC_CALL, "_mutant_no_op("), (REMOTE_METHOD, "_mutant_skipped("))
 NO_OP = '''class _MutantDone:
     def wait(self, *args, **kwargs): return True
     def is_completed(self): return True
     def __iter__(self): return iter(())
-def _mutant_no_op(*args, **kwargs): return _MutantDone()'''
+def _mutant_no_op(*args, **kwargs): return _MutantDone()
+def _mutant_skipped(x=None, *args, **kwargs): return x'''
 TIMING = "nbval-ignore-output"
 
 
@@ -47,7 +54,7 @@ def call_sites(nb):
                 inside = True
             elif line.strip().startswith(END):
                 inside = False
-            elif inside and CALL.search(line):
+            elif inside and any(pattern.search(line) for pattern, _ in MUTATIONS):
                 found.append((i, j))
     return found
 
@@ -57,7 +64,8 @@ def mutant(nb, site):
     cell, line = site
     m = nbformat.from_dict(nb)
     lines = m.cells[cell].source.splitlines()
-    lines[line] = CALL.sub("_mutant_no_op(", lines[line])
+    for pattern, replacement in MUTATIONS:
+        lines[line] = pattern.sub(replacement, lines[line])
     m.cells[cell].source = "\n".join(lines)
     m.cells = [nbformat.v4.new_code_cell(NO_OP)] + [c for c in m.cells if TIMING not in c.metadata.get("tags", [])]
     return m

@@ -484,6 +484,15 @@ def _controller_hint(got, want, num_micro_batches):
 CONTROLLER_TIMEOUT = 8  # seconds; the right controller's run takes a fraction of one here
 
 
+CONTROLLER_ERROR_HINTS = [  # (words in the controller's error, what they usually mean)
+    ("requires_grad not set on root", "the loss does not depend on what the stages computed; send each micro-batch "
+                                      "through every stage (stage.rpc_sync().forward(x)) inside the distributed "
+                                      "autograd context"),
+    ("graphTask_", "the distributed autograd context ran no backward: run it with dist_autograd.backward(context_id, "
+                   "[loss]) (a local loss.backward() stops at the RPC boundary)"),
+]
+
+
 def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size, num_micro_batches, num_steps=2,
                      seed=0):
     """The controller's step against the single-process run and PyTorch's SPMD pipeline (notebook 04's reference:
@@ -497,7 +506,8 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
         run = ft.run_controller(train_step, num_stages, num_micro_batches=num_micro_batches, seed=seed,
                                 timeout=CONTROLLER_TIMEOUT, **sizes)
     except RankError as e:
-        raise AssertionError(f"the controller's run failed: {e}") from e
+        hints = [hint for words, hint in CONTROLLER_ERROR_HINTS if words in e.summary]
+        raise AssertionError(f"the controller's run failed{''.join(': ' + h for h in hints)}\n{e}") from e
     except TimeoutError as e:
         raise AssertionError(f"the controller's run did not finish: {e}\nA distributed backward waits for a "
                              f"gradient through every RPC call made in its context: each micro-batch's output must "
