@@ -36,3 +36,19 @@ def test_every_mutant_is_killed(path):
     killed, total, survivors = mutants.run(path, log=lambda line: None)
     assert total, f"{path.name}: no communication call inside a solution region"
     assert not survivors, f"{path.name}: {len(survivors)} of {total} mutants survived:\n" + "\n".join(survivors)
+
+
+def test_a_killed_mutant_is_reported_by_its_errors_first_line(monkeypatch):
+    """The check's hint, not the traceback's last line (a C++ stack frame, for an error raised inside PyTorch)."""
+    from nbclient.exceptions import CellExecutionError
+
+    class Client:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def execute(self):
+            raise CellExecutionError("Traceback ...\nframe #49: <unknown function>", "AssertionError",
+                                     "stage 0 got no gradient\nrank 0 of 3 failed: ...")
+
+    monkeypatch.setattr(mutants, "NotebookClient", Client)
+    assert mutants.run_notebook(None, cwd=ROOT) == "error: AssertionError: stage 0 got no gradient"

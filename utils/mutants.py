@@ -77,8 +77,8 @@ def run_notebook(nb, cwd, timeout=240):
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
         retry_kernel_start(client.execute)()
         return None
-    except CellExecutionError as e:
-        return "error: " + str(e).strip().splitlines()[-1][:160]
+    except CellExecutionError as e:  # the error's first line (a check's hint), not the traceback's last
+        return f"error: {e.ename}: " + (e.evalue.strip().splitlines() or [""])[0][:160]
     except (CellTimeoutError, DeadKernelError, TimeoutError) as e:
         return type(e).__name__
 
