@@ -845,6 +845,23 @@ def test_warm_ranks_can_be_turned_off(monkeypatch):
         spawn(_ok, 2, warm="yes")
 
 
+@pytest.mark.one_start_method
+@pytest.mark.parametrize("warm", [True, False])
+def test_ranks_leave_without_pythons_teardown(warm, capfd):
+    """12: a rank exits right after its report. A rank spawned afresh (warm=False) used to run Python's teardown,
+    which destroys gloo's group with its threads still running and aborts the process ("terminate called without
+    an active exception", a crash dump in the call's output) after a successful call; atexit shows it ran."""
+    def all_reduce_then_register_teardown(rank, world_size):
+        import atexit
+        dist.all_reduce(torch.ones(1))
+        atexit.register(print, "python's teardown ran")
+
+    for _ in range(3):
+        assert spawn(all_reduce_then_register_teardown, 2, start_method="spawn", warm=warm) == [None, None]
+    out, err = capfd.readouterr()
+    assert "teardown ran" not in out + err and "Fatal Python error" not in err, out + err
+
+
 WARM_OWNER_SCRIPT = """
 import multiprocessing.forkserver, sys, time
 from utils.launch import spawn

@@ -336,14 +336,18 @@ def _rank_main(rank, world_size, backend, timeout, payload, rundir, caller_pid, 
         ready.send(rank)
         ready.close()
         result = fn(rank, world_size, *args, **kwargs)
-        # No destroy_process_group(): the process exits right after the report (os._exit, no destructors), and
-        # destroying gloo's group costs 20-40 ms a rank, a third of a trivial call.
+        # No destroy_process_group(): the process exits right after the report, and destroying gloo's group
+        # costs 20-40 ms a rank, a third of a trivial call.
         report = cloudpickle.dumps(("ok", result))
     except BaseException as e:
         report = _error_report(e)
     _write_report(rundir, rank, report)
     sys.stdout.flush()
     sys.stderr.flush()
+    # Without Python's teardown: a forked rank skips it anyway (multiprocessing ends it with os._exit), but a
+    # spawned one (warm=False) would run it, and destroying gloo's group with its threads still running aborts
+    # the process ("terminate called without an active exception") after a successful call.
+    os._exit(0)
 
 
 def _capture_output(rundir, rank):
