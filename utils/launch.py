@@ -33,8 +33,8 @@ that joins a gloo group, all-reduces one number and leaves; benchmarks/launch_ov
   even killed with SIGKILL, and its ranks, which watch the caller, have exited).
 
 Measured side by side in one run (benchmarks/launch_overhead.py; median of 5 calls after a first):
-fork 0.122 s; warm 0.163 s (its first call 3.1 s: the server imports torch); a warm pool 0.060 s;
-cold spawn 4.07 s; torch.multiprocessing.spawn 4.20 s. The pool is faster by a fork per rank, and
+fork 0.082 s; warm 0.142 s (its first call 2.8 s: the server imports torch); a warm pool 0.057 s;
+cold spawn 2.90 s; torch.multiprocessing.spawn 3.86 s. The pool is faster by a fork per rank, and
 would be paid for with everything above; the forkserver is what `spawn` does with the spawn start
 method. The server's one listener is a Unix-domain socket in a private temporary folder (no network
 port). Turn warm ranks off with `warm=False` or SPAWN_WARM=0: every call then spawns afresh.
