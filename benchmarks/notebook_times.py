@@ -4,7 +4,7 @@
 
 Each solution notebook (all of them by default) runs under `pytest --nbval` (the README's check,
 outputs compared to the letter) once with the fork start method and once with SPAWN_START_METHOD=spawn
-(macOS's path: warm ranks). Prints the seconds of each and the ratio, and the totals.
+(macOS's path: warm ranks). Prints the seconds of each and the ratio, and the totals (00-05's, and all).
 """
 import os
 import subprocess
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CORE = ("00", "01", "02", "03", "04", "05")  # collectives to FSDP: their total is printed on its own line too
 
 
 def seconds(notebook, start_method):
@@ -31,12 +32,15 @@ def main():
     notebooks = [Path(a).resolve() for a in sys.argv[1:]] or sorted((ROOT / "solutions").glob("*.ipynb"))
     print(f"strict nbval, {os.cpu_count()} cores, {sys.platform}; seconds")
     print(f"  {'notebook':28}{'fork':>8}{'spawn':>8}{'spawn / fork':>14}")
-    totals = [0.0, 0.0]
+    times = {}
     for notebook in notebooks:
-        fork, spawn = seconds(notebook, "fork"), seconds(notebook, "spawn")
-        totals = [totals[0] + fork, totals[1] + spawn]
+        fork, spawn = times[notebook.stem] = seconds(notebook, "fork"), seconds(notebook, "spawn")
         print(f"  {notebook.stem:28}{fork:8.1f}{spawn:8.1f}{spawn / fork:13.2f}x")
-    print(f"  {'all':28}{totals[0]:8.1f}{totals[1]:8.1f}{totals[1] / totals[0]:13.2f}x")
+    core = [t for stem, t in times.items() if stem[:2] in CORE]
+    for name, rows in (("00-05", core if len(core) == len(CORE) else []), ("all", list(times.values()))):
+        if len(rows) > 1:
+            fork, spawn = sum(f for f, _ in rows), sum(s for _, s in rows)
+            print(f"  {name:28}{fork:8.1f}{spawn:8.1f}{spawn / fork:13.2f}x")
 
 
 if __name__ == "__main__":
