@@ -38,6 +38,13 @@ cold spawn 2.90 s; torch.multiprocessing.spawn 3.86 s. The pool is faster by a f
 would be paid for with everything above; the forkserver is what `spawn` does with the spawn start
 method. The server's one listener is a Unix-domain socket in a private temporary folder (no network
 port). Turn warm ranks off with `warm=False` or SPAWN_WARM=0: every call then spawns afresh.
+
+What a rank imports on first use, it imports again in every call: a forked rank starts from the caller's
+modules. So a module torch loads lazily and slowly is imported by the course module that needs it, on the
+caller's side (a module ranks do not import, or one every caller of that kind imports), and forks inherit it:
+torch._dynamo in utils.model (every optimizer loads it: 1 s), torch.distributed.optim in utils.checks.fsdp
+(0.9 s), torch.distributed.pipelining in utils.checks.pipeline (0.1 s). Not here before every fork: a notebook
+that makes no optimizer would pay for torch._dynamo. Warm ranks get torch._dynamo from the forkserver (PRELOAD).
 """
 import atexit
 import contextlib

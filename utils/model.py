@@ -16,9 +16,8 @@ import torch.nn.functional as F
 
 from utils.sizes import check_int, divide
 
-# torch._dynamo (and sympy with it) is imported above, though nothing here uses it: every optimizer imports it when
-# it is made, a second's work. A notebook that trains imports this module, so its forked ranks inherit the import
-# instead of paying it in every call; notebooks 00 and 01, which make no optimizer, never pay it.
+# torch._dynamo is imported above though nothing here uses it: every optimizer loads it, and a notebook that trains
+# imports this module, so its forked ranks inherit it (utils.launch says why).
 
 WEIGHTS, BATCHES = 0, 1  # separate random streams: a batch never repeats a weight matrix
 

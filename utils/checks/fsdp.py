@@ -30,10 +30,8 @@ MODEL_NAMES = {"mlp": "the MLP", "awkward": "the awkward model", "embedded": "th
 # they agree to TOLERANCE).
 FLOAT32_TOLERANCE = 1e-6
 
-# Imported in the caller (ranks import utils.fsdp, never this module), so that forked ranks inherit it: the package
-# of PyTorch's ZeroRedundancyOptimizer compiles TorchScript optimizers on import, 0.9 s in every rank of every
-# ZeRO check otherwise. Not in utils.fsdp: warm ranks (the spawn start method) import that one in every call.
-# (The warnings: torch.jit.script is deprecated, PyTorch's own use.)
+# ZeroRedundancyOptimizer's package, imported in the caller so that forked ranks inherit it (utils.launch says why;
+# not in utils.fsdp, which warm ranks import in every call). The warnings: torch.jit.script's deprecation, PyTorch's.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch.distributed.optim  # noqa: F401

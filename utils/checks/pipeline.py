@@ -31,8 +31,7 @@ from utils.intercept import RECEIVES, SENDS, intercept
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.model import build_mlp, loss_fn, make_batch, parameter_names, reference_gradients, train_reference
 
-# torch.distributed.pipelining (PyTorch's schedules, the reference) is imported above, in the caller: forked ranks
-# inherit it instead of importing it in every call, 0.1 s per rank (ranks import utils.pytorch_reference, never this).
+# torch.distributed.pipelining is imported above, in the caller: forked ranks inherit it (utils.launch says why).
 
 OPTIMIZERS = ("sgd", "adamw")
 PYTORCH_OPTIMIZER = "adamw"  # the runs compared with PyTorch's pipelining as well
