@@ -845,6 +845,28 @@ def test_warm_ranks_can_be_turned_off(monkeypatch):
         spawn(_ok, 2, warm="yes")
 
 
+WARM_IMPORTS_SCRIPT = """
+    import sys
+    import torch.distributed.optim  # one of utils.launch.LAZY_IMPORTS; torch._dynamo is another, not imported
+    from utils.launch import LAZY_IMPORTS, spawn
+
+    def lazy_modules(rank, world_size):
+        return sorted(name for name in LAZY_IMPORTS if name in sys.modules)
+
+    print(spawn(lazy_modules, 2, start_method="spawn", warm=True)[0])
+"""
+
+
+@pytest.mark.one_start_method
+def test_warm_ranks_start_with_the_slow_modules_the_caller_imported():
+    """12: the warm server imports, of torch's slow lazily loaded modules, those its caller has (as a forked rank
+    inherits them): what the ranks use is not imported again in every call, what they do not is not paid for."""
+    proc = subprocess.run(_python(WARM_IMPORTS_SCRIPT), cwd=REPO, env=_subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['torch.distributed.optim']", proc.stdout + proc.stderr
+
+
 @pytest.mark.one_start_method
 @pytest.mark.parametrize("warm", [True, False])
 def test_ranks_leave_without_pythons_teardown(warm, capfd):

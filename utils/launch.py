@@ -33,8 +33,8 @@ that joins a gloo group, all-reduces one number and leaves; benchmarks/launch_ov
   even killed with SIGKILL, and its ranks, which watch the caller, have exited).
 
 Measured side by side in one run (benchmarks/launch_overhead.py; median of 5 calls after a first):
-fork 0.082 s; warm 0.142 s (its first call 2.8 s: the server imports torch); a warm pool 0.057 s;
-cold spawn 2.90 s; torch.multiprocessing.spawn 3.86 s. The pool is faster by a fork per rank, and
+fork 0.046 s; warm 0.070 s (its first call 1.2 s: the server imports torch); a warm pool 0.059 s;
+cold spawn 2.59 s; torch.multiprocessing.spawn 3.85 s. The pool is faster by a fork per rank, and
 would be paid for with everything above; the forkserver is what `spawn` does with the spawn start
 method. The server's one listener is a Unix-domain socket in a private temporary folder (no network
 port). Turn warm ranks off with `warm=False` or SPAWN_WARM=0: every call then spawns afresh.
@@ -44,7 +44,9 @@ modules. So a module torch loads lazily and slowly is imported by the course mod
 caller's side (a module ranks do not import, or one every caller of that kind imports), and forks inherit it:
 torch._dynamo in utils.model (every optimizer loads it: 1 s), torch.distributed.optim in utils.checks.fsdp
 (0.9 s), torch.distributed.pipelining in utils.checks.pipeline (0.1 s). Not here before every fork: a notebook
-that makes no optimizer would pay for torch._dynamo. Warm ranks get torch._dynamo from the forkserver (PRELOAD).
+that makes no optimizer would pay for torch._dynamo. Warm ranks get the same: the forkserver, when it starts,
+imports those of these modules (LAZY_IMPORTS) that the caller has imported; notebook 00, which has none, starts
+its server in half the time.
 """
 import atexit
 import contextlib
@@ -76,8 +78,9 @@ import torch.distributed as dist
 START_METHOD_ENV = "SPAWN_START_METHOD"
 WARM_ENV = "SPAWN_WARM"
 # What the forkserver imports, so that its forks (the warm ranks) start with it: never utils (an edited file must be
-# seen); torch._dynamo (and sympy with it), which every optimizer imports when it is made: a second per rank.
-PRELOAD = ["torch", "torch.distributed", "cloudpickle", "torch._dynamo"]
+# seen); and of the modules torch loads lazily and slowly (the opening comment), those the caller has imported.
+PRELOAD = ["torch", "torch.distributed", "cloudpickle"]
+LAZY_IMPORTS = ["torch._dynamo", "torch.distributed.optim", "torch.distributed.pipelining"]
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
 STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
@@ -168,7 +171,7 @@ def rank_context(start_method, warm=None, world_size=1):
         start_method = "spawn"
     if start_method == "spawn" and warm_ranks(warm):
         context = mp.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload(PRELOAD + [name for name in LAZY_IMPORTS if name in sys.modules])
         return context
     return mp.get_context(start_method)
 
