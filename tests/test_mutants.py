@@ -18,16 +18,18 @@ def test_call_sites_are_found_only_inside_solution_regions():
     assert mutated.cells[1].source.count("_mutant_no_op") == 1 and "def _mutant_no_op" in mutated.cells[0].source
 
 
-
 def test_rpc_calls_are_mutants_too():
-    """Notebook 08: an RPC is made a no-op; a method called on an RRef hands back its input (a skipped stage)."""
+    """Notebook 08: an RPC is made a no-op; a method called on an RRef hands back its input (a skipped stage); a
+    DistributedOptimizer's step(context_id) is a no-op (its RPCs step the workers), a plain optimizer.step() is not."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "### BEGIN SOLUTION\nx = stages[0].rpc_sync().forward(x)\nrref = rpc.remote('w1', f)\n"
-        "dist_autograd.backward(ctx, [loss])\noptimizer.step(ctx)\n### END SOLUTION")])
-    assert mutants.call_sites(nb) == [(0, 1), (0, 2), (0, 3)]
+        "dist_autograd.backward(ctx, [loss])\noptimizer.step(ctx)\noptimizer.step()\n### END SOLUTION")])
+    assert mutants.call_sites(nb) == [(0, 1), (0, 2), (0, 3), (0, 4)]
     assert "x = _mutant_skipped(x)" in mutants.mutant(nb, (0, 1)).cells[1].source
     assert "rref = _mutant_no_op('w1', f)" in mutants.mutant(nb, (0, 2)).cells[1].source
     assert "_mutant_no_op(ctx, [loss])" in mutants.mutant(nb, (0, 3)).cells[1].source
+    assert "\n_mutant_no_op(ctx)\noptimizer.step()\n" in mutants.mutant(nb, (0, 4)).cells[1].source
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)

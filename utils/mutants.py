@@ -5,8 +5,9 @@
 Inside each `### BEGIN SOLUTION ... ### END SOLUTION` region, every line that calls a
 torch.distributed communication function (all_reduce, isend, all_gather_single, ...) is, one at a
 time, turned into a no-op that returns a completed handle: a mutant. So is every RPC (notebook 08):
-`rpc.rpc_sync`, `rpc.rpc_async` and `rpc.remote` and distributed autograd's `backward` become that
-no-op, and a method called on an RRef (`stage.rpc_sync().forward(x)`) hands back its first argument,
+`rpc.rpc_sync`, `rpc.rpc_async` and `rpc.remote`, distributed autograd's `backward` and a
+`DistributedOptimizer`'s `step(context_id)` (an optimizer step given an argument: the RPCs that step every
+worker) become that no-op, and a method called on an RRef (`stage.rpc_sync().forward(x)`) hands back its first argument,
 as if the remote stage had been skipped. Each mutant notebook is run top
 to bottom in a fresh kernel, without its timing cells (tag `nbval-ignore-output`): a check must
 notice, not a benchmark. A mutant is killed when some cell fails (a check's AssertionError, the
@@ -32,7 +33,9 @@ OPS = ("all_reduce reduce_scatter reduce_scatter_tensor reduce_scatter_single al
 CALL = re.compile(r"\b(?:dist|torch\.distributed)\.(" + "|".join(OPS) + r")\(")
 RPC_CALL = re.compile(r"\b(?:rpc\.(?:rpc_sync|rpc_async|remote)|dist_autograd\.backward)\(")
 REMOTE_METHOD = re.compile(r"[\w.\[\]]+\.(?:rpc_sync|rpc_async|remote)\(\)\.\w+\(")  # rref.rpc_sync().forward(
-MUTATIONS = ((CALL, "_mutant_no_op("), (RPC_CALL, "_mutant_no_op("), (REMOTE_METHOD, "_mutant_skipped("))
+DISTRIBUTED_STEP = re.compile(r"\b[\w.\[\]]+\.step\((?=[^)\s])")  # optimizer.step(context_id), not optimizer.step()
+MUTATIONS = ((CALL, "_mutant_no_op("), (RPC_CALL, "_mutant_no_op("), (REMOTE_METHOD, "_mutant_skipped("),
+             (DISTRIBUTED_STEP, "_mutant_no_op("))
 NO_OP = '''class _MutantDone:
     def wait(self, *args, **kwargs): return True
     def is_completed(self): return True
