@@ -50,7 +50,8 @@ def test_the_solution_passes(world_size, capsys):
 
 EXCHANGE_MISTAKES = {
     "blocking send and recv, ordered by rank parity": (
-        "    if dist.get_rank() % 2 == 0:\n        dist.send(send_tensor, dst=dst)\n        dist.recv(recv_tensor, src=src)\n"
+        "    if dist.get_rank() % 2 == 0:\n        dist.send(send_tensor, dst=dst)\n"
+        "        dist.recv(recv_tensor, src=src)\n"
         "    else:\n        dist.recv(recv_tensor, src=src)\n        dist.send(send_tensor, dst=dst)\n",
         "one after the other, not at the same time"),
     "src and dst swapped": (
@@ -73,7 +74,8 @@ def test_a_wrong_exchange_fails_and_names_the_mistake(mistake):
     ("blocking send, then recv", "    dist.send(send_tensor, dst=dst)\n    dist.recv(recv_tensor, src=src)\n"),
     ("never sends", "    dist.irecv(recv_tensor, src=src).wait()\n"),
     ("waits for the send before starting the receive", "    send = dist.isend(send_tensor, dst=dst)\n    send.wait()\n"
-                                                      "    receive = dist.irecv(recv_tensor, src=src)\n    receive.wait()\n"),
+                                                      "    receive = dist.irecv(recv_tensor, src=src)\n"
+                                                      "    receive.wait()\n"),
     ("sends twice", EXCHANGE + "    dist.isend(send_tensor, dst=dst).wait()\n"),
 ])
 def test_an_exchange_that_deadlocks_ends_in_a_timeout_that_says_why(mistake, new):
@@ -91,30 +93,36 @@ def test_a_ring_whose_receives_do_not_match_its_sends_ends_in_a_timeout_that_say
 
 RING_MISTAKES = {
     "reduce_scatter": {
-        "receive index off by one": (RS_RECV, RS_RECV.replace("step - 2", "step - 1"), "which chunk each step receives"),
+        "receive index off by one": (RS_RECV, RS_RECV.replace("step - 2", "step - 1"),
+                                     "which chunk each step receives"),
         "send index off by one": ("        send_chunk = chunks[(rank - step - 1) % world_size]\n",
                                   "        send_chunk = chunks[(rank - step) % world_size]\n", "mixes parts of chunks"),
         "a step too few": (RS_STEPS, RS_STEPS.replace("world_size - 1", "world_size - 2"), "too few steps"),
         "received but not added": (RS_ADD, "        recv_chunk.copy_(incoming)\n", "never reached it"),
-        "sends left, receives from the right": (RS_EXCHANGE, RS_EXCHANGE.replace("right, incoming, left", "left, incoming, right"),
+        "sends left, receives from the right": (RS_EXCHANGE,
+                                                RS_EXCHANGE.replace("right, incoming, left", "left, incoming, right"),
                                                 "mixes parts of chunks"),
         "nothing added at all": (RS_EXCHANGE + RS_ADD, RS_EXCHANGE, "only this rank's own contribution"),
         "uses dist.reduce_scatter_single": (
-            RS_STEPS, "    dist.reduce_scatter_single(chunks[rank], tensor.clone().view(-1))\n    return chunks[rank]\n" + RS_STEPS,
+            RS_STEPS, "    dist.reduce_scatter_single(chunks[rank], tensor.clone().view(-1))\n"
+                      "    return chunks[rank]\n" + RS_STEPS,
             "calls dist.reduce_scatter_single"),
     },
     "all_gather": {
-        "indices off by one": (AG_STEP, AG_STEP.replace("step) %", "step - 1) %").replace("step - 1) % world_size], left",
-                                                                                       "step - 2) % world_size], left"),
+        "indices off by one": (AG_STEP, AG_STEP.replace("step) %", "step - 1) %")
+                                        .replace("step - 1) % world_size], left", "step - 2) % world_size], left"),
                                "holds rank 1's chunk 0, not rank 0's"),
-        "a step too few": (AG_LOOP, AG_LOOP.replace("world_size - 1", "world_size - 2"), "too few steps.*never arrived"),
+        "a step too few": (AG_LOOP, AG_LOOP.replace("world_size - 1", "world_size - 2"),
+                           "too few steps.*never arrived"),
         "sends left, receives from the right": (AG_STEP, AG_STEP.replace("], right, chunks", "], left, chunks")
                                                 .replace("], left)\n", "], right)\n"), "the ring turns the wrong way"),
-        "uses dist.all_gather_single": (AG_LOOP, "    dist.all_gather_single(tensor.view(-1), chunks[rank].clone())\n    return\n" + AG_LOOP,
+        "uses dist.all_gather_single": (AG_LOOP, "    dist.all_gather_single(tensor.view(-1), chunks[rank].clone())\n"
+                                                 "    return\n" + AG_LOOP,
                                         "calls dist.all_gather_single"),
     },
     "all_reduce": {
-        "no all-gather": (AR, "    ring_reduce_scatter(tensor)\n    ### END SOLUTION", "too few steps.*the all-gather .* is missing"),
+        "no all-gather": (AR, "    ring_reduce_scatter(tensor)\n    ### END SOLUTION",
+                          "too few steps.*the all-gather .* is missing"),
         "all-gather before reduce-scatter": (AR, "    ring_all_gather(tensor)\n    ring_reduce_scatter(tensor)\n"
                                                  "    ### END SOLUTION", "all-gather runs before the reduce-scatter"),
         "everyone to everyone": (AR, "    everyone_to_everyone(tensor)\n    ### END SOLUTION",

@@ -59,12 +59,15 @@ CATALOGUE = {
         "    for p in model.parameters():\n        dist.broadcast(p.detach(), src=0)\n"
         "    for buffer in model.buffers():\n        dist.broadcast(buffer, src=0)\n": "    pass\n"},
         "ranks disagree: broadcast every parameter"),
-    "broadcast from rank 1": ("data parallel", {"dist.broadcast(p.detach(), src=0)": "dist.broadcast(p.detach(), src=1)"},
+    "broadcast from rank 1": ("data parallel", {"dist.broadcast(p.detach(), src=0)":
+                                                "dist.broadcast(p.detach(), src=1)"},
                               "every rank holds the same value, but not rank 0's: broadcast with src=0"),
-    "buffers not broadcast": ("data parallel", {"    for buffer in model.buffers():\n        dist.broadcast(buffer, src=0)\n": ""},
+    "buffers not broadcast": ("data parallel", {"    for buffer in model.buffers():\n"
+                                                "        dist.broadcast(buffer, src=0)\n": ""},
                               r"rank 1's shift differs .* it is a buffer: broadcast model.buffers\(\) too"),
     "frozen parameters not broadcast": ("data parallel", {
-        "        dist.broadcast(p.detach(), src=0)\n": "        if p.requires_grad:\n            dist.broadcast(p.detach(), src=0)\n"},
+        "        dist.broadcast(p.detach(), src=0)\n":
+        "        if p.requires_grad:\n            dist.broadcast(p.detach(), src=0)\n"},
         r"rank 1's frozen.weight differs .* broadcast every parameter \(frozen ones too\)"),
     # average_gradients
     "sum, not mean": ("data parallel", {"            p.grad /= world_size\n": ""},
@@ -80,10 +83,12 @@ CATALOGUE = {
         r"data parallel \(awkward, sgd\): rank 0 raised .* frozen.weight is frozen"),
     # train_step_with_micro_batches
     "micro-batch losses not divided": ("micro-batches", {
-        "        loss = loss_fn(model(micro_batch)) / num_micro_batches\n": "        loss = loss_fn(model(micro_batch))\n"},
+        "        loss = loss_fn(model(micro_batch)) / num_micro_batches\n":
+        "        loss = loss_fn(model(micro_batch))\n"},
         "2 times too large, the number of micro-batches: divide each micro-batch's loss by num_micro_batches"),
     "all-reduce per micro-batch": ("micro-batches", {
-        "        loss.backward()\n    average_gradients(model)\n": "        loss.backward()\n        average_gradients(model)\n"},
+        "        loss.backward()\n    average_gradients(model)\n":
+        "        loss.backward()\n        average_gradients(model)\n"},
         r"made \[8, 8, 8\] all-reduces in steps \[0, 1, 2\] \(a round per micro-batch\); average_gradients once "
         r"per step makes \[4, 4, 4\]"),
     "optimizer step per micro-batch": ("micro-batches", {
@@ -97,7 +102,8 @@ CATALOGUE = {
         "        self.pending[-1][1].wait()\n"},
         r"all-reduce 0 was waited for in the backward pass \(1 of 4 gradients ready\), while the backward pass was "
         r"still running: nothing overlaps"),
-    "overlap: blocking all-reduce": ("overlapped", {"dist.all_reduce(param.grad, async_op=True)": "dist.all_reduce(param.grad)"},
+    "overlap: blocking all-reduce": ("overlapped", {"dist.all_reduce(param.grad, async_op=True)":
+                                                    "dist.all_reduce(param.grad)"},
                                      "all-reduce 0 is blocking: start it with async_op=True"),
     "overlap: all-reduces started in finish": ("overlapped", {
         "        self.pending.append((param, dist.all_reduce(param.grad, async_op=True)))\n":
@@ -124,12 +130,14 @@ CATALOGUE = {
         "            self.handles[b].wait()\n"},
         "all-reduce 0 was waited for in the backward pass .* nothing overlaps"),
     "buckets: filled in forward order": ("bucketed", {
-        "reversed([p for p in model.parameters() if p.requires_grad])": "[p for p in model.parameters() if p.requires_grad]"},
+        "reversed([p for p in model.parameters() if p.requires_grad])":
+        "[p for p in model.parameters() if p.requires_grad]"},
         r"expected 3 all-reduce\(s\) of \[1024, 1024, 512\] bytes, in this order .* reverse parameter order.* "
         r"got 3 of \[512, 1024, 1024\] bytes"),
-    "buckets: started before full": ("bucketed", {"if self.ready[b] == len(self.buckets[b]):": "if self.ready[b] == 1:"},
-                                     r"all-reduce 0 started in the backward pass \(1 of 5 gradients ready\), before its "
-                                     r"bucket was full"),
+    "buckets: started before full": ("bucketed", {"if self.ready[b] == len(self.buckets[b]):":
+                                                  "if self.ready[b] == 1:"},
+                                     r"all-reduce 0 started in the backward pass \(1 of 5 gradients ready\), "
+                                     r"before its bucket was full"),
     "buckets: handles not reset": ("bucketed", {
         "        self.ready, self.handles = [0] * len(self.buckets), [None] * len(self.buckets)\n":
         "        self.ready = [0] * len(self.buckets)\n"},
@@ -142,11 +150,13 @@ CATALOGUE = {
     "buckets: hooks on frozen parameters": ("bucketed", {
         "reversed([p for p in model.parameters() if p.requires_grad])": "reversed(list(model.parameters()))"},
         r"BucketedGradientSync \(awkward, one bucket\): rank 0 raised RuntimeError: .* frozen.weight is frozen"),
-    "buckets: dtypes mixed in a bucket": ("bucketed", {"p.numel() * p.element_size(), p.dtype  #": "p.numel() * p.element_size(), None  #"},
-                                          r"\(awkward, one bucket\): rank 0 raised .* a flat buffer holds one dtype: keep one "
-                                          r"open bucket per dtype"),
+    "buckets: dtypes mixed in a bucket": ("bucketed", {"p.numel() * p.element_size(), p.dtype  #":
+                                                       "p.numel() * p.element_size(), None  #"},
+                                          r"\(awkward, one bucket\): rank 0 raised .* a flat buffer holds one dtype: "
+                                          r"keep one open bucket per dtype"),
     "buckets: a bucket that is not full never sent": ("bucketed", {
-        "                self.handles[b] = dist.all_reduce(self.buffers[b], async_op=True)\n": "                pass\n"},
+        "                self.handles[b] = dist.all_reduce(self.buffers[b], async_op=True)\n":
+        "                pass\n"},
         r"\(awkward, one bucket\): rank 0 raised AttributeError: .* a bucket that did not fill up has no handle until "
         r"finish\(\) starts its all-reduce"),
 }

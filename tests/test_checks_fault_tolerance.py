@@ -190,7 +190,7 @@ def test_checkpoints_leave_no_folders_behind(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-# ---------------------------------------------------------------- section 3: the checkpoint a restarted run resumes from
+# ---------------------------------------------------------------- section 3: what a restarted run resumes from
 
 COMPLETE = ("(match := ft.CHECKPOINT_FOLDER.match(name))\n"
             "                and os.path.exists(ft.metadata_path(os.path.join(root, name)))]")
@@ -236,11 +236,15 @@ AGENT_LOG = """\
 I1123 01:33:47.253000 1352 torch/distributed/elastic/agent/server/api.py:707] [default] Rendezvous'ing worker group
 I1123 01:33:47.429000 1352 torch/distributed/elastic/agent/server/api.py:715] [default] Starting worker group
 [rank0]: RuntimeError: Connection reset by peer
-W1123 01:33:57.176000 1352 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1356 closing signal SIGTERM
-E1123 01:33:57.382000 1352 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 1357) of binary: /x/python
-I1123 01:33:57.383000 1352 torch/distributed/elastic/agent/server/api.py:942] [default] Worker group FAILED. 2/2 attempts left; will restart worker group
+W1123 01:33:57.176000 1352 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1356 \
+closing signal SIGTERM
+E1123 01:33:57.382000 1352 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 \
+(pid: 1357) of binary: /x/python
+I1123 01:33:57.383000 1352 torch/distributed/elastic/agent/server/api.py:942] [default] Worker group FAILED. \
+2/2 attempts left; will restart worker group
 I1123 01:33:58.119000 1352 torch/distributed/elastic/agent/server/api.py:715] [default] Starting worker group
-I1123 01:34:08.940000 1352 torch/distributed/elastic/agent/server/api.py:932] [default] worker group successfully finished. Waiting 300 seconds for other agents to finish.
+I1123 01:34:08.940000 1352 torch/distributed/elastic/agent/server/api.py:932] [default] worker group successfully \
+finished. Waiting 300 seconds for other agents to finish.
 """
 
 
@@ -258,7 +262,8 @@ def test_describe_attempts():
     events = [{"attempt": 0, "rank": r, "event": "saved", "checkpoint": "step_2", "time": 1.0 + r} for r in (0, 1)]
     events += [{"attempt": 0, "rank": 1, "event": "dies in step 3", "time": 3.0},
                {"attempt": 0, "rank": 0, "event": "failed", "time": 3.1}]
-    events += [{"attempt": 1, "rank": r, "event": "loaded", "checkpoint": "step_2", "step": 2, "time": 4.0} for r in (0, 1)]
+    events += [{"attempt": 1, "rank": r, "event": "loaded", "checkpoint": "step_2", "step": 2, "time": 4.0}
+               for r in (0, 1)]
     events += [{"attempt": 1, "rank": r, "event": "finished", "step": 6, "time": 5.0} for r in (0, 1)]
     assert ft.describe_attempts(events, 2) == [
         "attempt 0: started from step 0; saved step_2; rank 1 dies in step 3",
@@ -300,7 +305,8 @@ CONTROLLER = [
     # the micro-batches' losses summed, not averaged
     ({LOSS: "            loss = loss + loss_fn(x)\n"}, "4 times too large, the number of micro-batches"),
     # only the last micro-batch's loss kept
-    ({LOSS: "            loss = loss_fn(x) / num_micro_batches\n"}, "each micro-batch's output must be part of the one loss"),
+    ({LOSS: "            loss = loss_fn(x) / num_micro_batches\n"},
+     "each micro-batch's output must be part of the one loss"),
     # a local backward: it stops at the RPC boundary, the stages get no gradient in the context
     ({"        dist_autograd.backward(context_id, [loss])\n": "        loss.backward()\n"},
      "got no gradient in the distributed autograd context|the distributed autograd context ran no backward"),

@@ -237,7 +237,8 @@ def tracker_main(rank, world_size):
             alive = tracker.now()[1]
             fsdp.free(kept)
             raise RuntimeError("raised in the block")
-    return alive, tracker.now()[1], tracker.max_units, dist.all_gather_single is original, [c.name for c in tracker.calls]
+    return (alive, tracker.now()[1], tracker.max_units, dist.all_gather_single is original,
+            [c.name for c in tracker.calls])
 
 
 def test_memory_tracker_sees_gathered_buffers_and_restores_torch_distributed():
