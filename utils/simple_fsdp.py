@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from utils import pytorch_reference
 from utils.fsdp import ADAMW
@@ -377,14 +378,19 @@ class FunctionalUnshard(torch.autograd.Function):
 
 
 class FunctionalShard(nn.Module):
-    """A parametrization: the parameter is this rank's Shard(0) rows; reading it all-gathers them."""
+    """A parametrization: the parameter is this rank's Shard(0) rows; reading it all-gathers them.
+
+    The gather is checkpointed (SimpleFSDP's reshard after forward, compiled): every node of the region is tagged
+    for recomputation, and the min-cut partitioner (recording_backend's, inductor's) then saves the shard for
+    backward and gathers it again there. In eager mode the checkpoint changes nothing: the gathered weight is
+    saved by the layer's product, outside the region (eager's way is section 3's saved_tensors_hooks)."""
 
     def __init__(self, rows):
         super().__init__()
         self.rows = rows
 
     def forward(self, shard):
-        return FunctionalUnshard.apply(shard, self.rows)
+        return checkpoint(FunctionalUnshard.apply, shard, self.rows, use_reentrant=False)
 
     def right_inverse(self, full):
         return local_shard(full, dist.get_rank(), dist.get_world_size()).clone()
@@ -404,14 +410,15 @@ def collective_nodes(gm):
             if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"]
 
 
-def bucket_collectives(gm, kind):
-    """Inductor's own bucketing pass on a captured graph (torch._inductor.fx_passes.bucketing): neighbouring
-    all-gathers (forward) or reduce-scatters (backward) merged into one over a flat buffer. The pass leaves new
+def bucket_collectives(gm):
+    """Inductor's own bucketing passes on a captured graph (torch._inductor.fx_passes.bucketing): neighbouring
+    all-gathers, and neighbouring reduce-scatters, merged into one over a flat buffer. The passes leave new
     nodes out of order (inductor's scheduler sorts them later): a stable topological sort puts them back."""
     from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    (bucket_all_gather if kind == "forward" else bucket_reduce_scatter)(gm)
+    bucket_all_gather(gm)
+    bucket_reduce_scatter(gm)
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -419,19 +426,21 @@ def bucket_collectives(gm, kind):
 
 def recording_backend(graphs, bucket=False):
     """aot_eager that also notes the collective nodes of each graph AOTAutograd hands it, as captured and (with
-    `bucket`) after bucket_collectives: (kind, captured, run) with kind "forward", then "backward"."""
-    from functorch.compile import make_boxed_func
+    `bucket`) after bucket_collectives: (kind, captured, run) with kind "forward", then "backward". Its partitioner
+    is inductor's (min-cut), which honours recomputation tags; aot_eager's default one ignores them."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
     def compiler(kind):
         def compile_graph(gm, example_inputs):
             captured = collective_nodes(gm)
             if bucket:
-                bucket_collectives(gm, kind)
+                bucket_collectives(gm)
             graphs.append((kind, captured, collective_nodes(gm)))
             return make_boxed_func(gm.forward)
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        partition_fn=min_cut_rematerialization_partition)
 
 
 def compiled_main(rank, world_size, sizes, backend="aot_eager", bucket=False):
