@@ -8,6 +8,7 @@ import torch.nn as nn
 from utils import simple_fsdp
 from utils.checks.simple_fsdp import check_data_parallel, check_redistribute, check_reshard, check_units
 from utils.launch import spawn
+from utils.model import Sizes
 from utils.notebooks import solution
 
 HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS = 8, 3, 4, 2
@@ -73,6 +74,19 @@ def counting_main(rank, world_size):
 
 def test_record_collectives_names_both_kinds():
     assert spawn(counting_main, 2)[0] == ["all-gather of 12 bytes", "reduce-scatter of 16 bytes"]
+
+
+def test_compiled_the_gathers_are_recomputed_not_saved():
+    """Notebook 07, section 5: with the min-cut partitioner the forward saves no gathered (whole) weight for backward
+    and the backward gathers again; aot_eager's default partitioner ignores the recomputation tags and saves some."""
+    sizes = Sizes(HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS, 0)
+    whole = (HIDDEN_DIM, HIDDEN_DIM)
+    for partition, saves_whole_weights in (("min_cut", False), ("default", True)):
+        eager, compiled, graphs, same = spawn(simple_fsdp.compiled_main, 2, sizes, partition=partition)[0]
+        backward = next(graph for graph in graphs if graph.kind == "backward")
+        assert compiled == eager and same
+        assert (whole in backward.saved) == saves_whole_weights, (partition, backward.saved)
+        assert ("all_gather_into_tensor" in backward.captured) != saves_whole_weights, (partition, backward.captured)
 
 
 # ---------------------------------------------------------------- they fail, saying why

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -424,35 +425,46 @@ def bucket_collectives(gm):
     gm.recompile()
 
 
-def recording_backend(graphs, bucket=False):
-    """aot_eager that also notes the collective nodes of each graph AOTAutograd hands it, as captured and (with
-    `bucket`) after bucket_collectives: (kind, captured, run) with kind "forward", then "backward". Its partitioner
-    is inductor's (min-cut), which honours recomputation tags; aot_eager's default one ignores them."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+class Graph(NamedTuple):
+    """What recording_backend notes of a graph AOTAutograd hands it."""
+
+    kind: str  # "forward" or "backward"
+    captured: list  # its collective nodes, in order, as captured
+    run: list  # the same after bucket_collectives (with bucket=True), as it runs
+    saved: list  # backward: the shapes of the tensors the forward saved for it (its inputs but the gradients)
+
+
+def recording_backend(graphs, bucket=False, partition="min_cut"):
+    """aot_eager that also notes a Graph for each graph AOTAutograd hands it, forward then backward. Its partitioner
+    is inductor's ("min_cut"), which honours recomputation tags; aot_eager's own ("default") ignores them."""
+    from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
 
     def compiler(kind):
         def compile_graph(gm, example_inputs):
             captured = collective_nodes(gm)
             if bucket:
                 bucket_collectives(gm)
-            graphs.append((kind, captured, collective_nodes(gm)))
+            saved = [tuple(node.meta["val"].shape) for node in gm.graph.find_nodes(op="placeholder")
+                     if kind == "backward" and not node.name.startswith("tangents")]
+            graphs.append(Graph(kind, captured, collective_nodes(gm), saved))
             return make_boxed_func(gm.forward)
         return compile_graph
 
+    partitioners = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        partition_fn=min_cut_rematerialization_partition)
+                        partition_fn=partitioners[partition])
 
 
-def compiled_main(rank, world_size, sizes, backend="aot_eager", bucket=False):
+def compiled_main(rank, world_size, sizes, backend="aot_eager", bucket=False, partition="min_cut"):
     """The MLP under functional_fully_shard, trained eagerly and compiled (fullgraph=True; under aot_eager, with
-    `bucket`, the collectives bucketed), the same steps: (eager losses, compiled losses, [(graph, its collective
-    nodes as captured, as run)], whether the final shards are equal bit for bit)."""
+    `bucket`, the collectives bucketed; `partition`: recording_backend's), the same steps: (eager losses, compiled
+    losses, [Graph], whether the final shards are equal bit for bit)."""
     runs, graphs = {}, []
     for compiled in (False, True):
         net = functional_fully_shard(build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed))
         optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
         if compiled:
-            chosen = recording_backend(graphs, bucket) if backend == "aot_eager" else backend
+            chosen = recording_backend(graphs, bucket, partition) if backend == "aot_eager" else backend
             forward = torch.compile(net, backend=chosen, fullgraph=True)
         else:
             forward = net
