@@ -6,7 +6,9 @@ Each solution notebook (all of them by default) runs under `pytest --nbval` (the
 outputs compared to the letter) once with the fork start method and once with SPAWN_START_METHOD=spawn
 (macOS's path: warm ranks). Prints the seconds of each and the ratio, and the totals (00-05's, and all).
 When 00-05 all ran, it also times them in one `pytest` command, as a student or contributor runs several
-notebooks at once: on two workers (pytest-xdist, utils/pytest_plugin.py), so both cores are used.
+notebooks at once: on two workers (pytest-xdist, utils/pytest_plugin.py), so both cores are used; and in one
+pytest process without workers (`-n0`), one notebook after the other, as pytest ran them before the suite had
+workers.
 """
 import os
 import subprocess
@@ -18,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = ("00", "01", "02", "03", "04", "05")  # collectives to FSDP: their total is printed on its own line too
 
 
-def seconds(notebooks, start_method):
+def seconds(notebooks, start_method, *options):
     env = {**os.environ, "SPAWN_START_METHOD": start_method}
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", *map(str, notebooks)], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", *options, *map(str, notebooks)], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if run.returncode:
@@ -46,8 +48,9 @@ def main():
             print(f"  {name:28}{fork:8.1f}{spawn:8.1f}{spawn / fork:13.2f}x")
     core = [n for n in notebooks if n.stem[:2] in CORE]
     if len(core) == len(CORE):
-        fork, spawn = seconds(core, "fork"), seconds(core, "spawn")
-        print(f"  {'00-05 in one pytest command':28}{fork:8.1f}{spawn:8.1f}{spawn / fork:13.2f}x   (two workers)")
+        for label, options in (("two workers", ()), ("one process, -n0", ("-n0",))):
+            fork, spawn = seconds(core, "fork", *options), seconds(core, "spawn", *options)
+            print(f"  {'00-05 in one pytest command':28}{fork:8.1f}{spawn:8.1f}{spawn / fork:13.2f}x   ({label})")
 
 
 if __name__ == "__main__":
