@@ -69,6 +69,10 @@ CATALOGUE = {
         "        dist.broadcast(p.detach(), src=0)\n":
         "        if p.requires_grad:\n            dist.broadcast(p.detach(), src=0)\n"},
         r"rank 1's frozen.weight differs .* broadcast every parameter \(frozen ones too\)"),
+    "broadcast into the parameter itself (autograd records it)": (
+        "data parallel", {"dist.broadcast(p.detach(), src=0)": "dist.broadcast(p, src=0)"},
+        r"\(mlp, sgd\): rank 0 raised RuntimeError: dist.broadcast into a tensor that requires grad: autograd "
+        r"would record the write .* outside autograd"),
     # average_gradients
     "sum, not mean": ("data parallel", {"            p.grad /= world_size\n": ""},
                       "2 times too large: the sum over ranks, not the mean; divide by the world size"),

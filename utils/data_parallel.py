@@ -120,6 +120,20 @@ def one_step(model, optimizer, batch, train_step=None, sync=None, clock=None):
     return loss
 
 
+def outside_autograd(call, arguments):
+    """Before a collective: refuse one that would write into a tensor autograd tracks.
+
+    dist.broadcast(p) into a parameter that requires grad gives the right values, but autograd records the
+    write as an in-place operation it cannot differentiate, and every backward then warns that it
+    'backprops through' c10d::broadcast_ (a deprecated behaviour, to become an error)."""
+    tensor = next(iter(arguments.values()), None)
+    if torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        raise RuntimeError(f"dist.{call.name} into a tensor that requires grad: autograd would record the write as "
+                           f"an in-place operation it cannot differentiate, and every backward would warn about it; "
+                           f"write the values outside autograd, into the parameter's detached view (the same "
+                           f"storage) or under torch.no_grad()")
+
+
 def train_data_parallel(rank, world_size, broadcast_parameters, train_step=None, gradient_sync=None, *,
                         sizes, optimizer="sgd", dtype=torch.float64, keep_errors=False):
     """One rank's run: a different random start on every rank, rank 0's broadcast, then the steps.
@@ -132,7 +146,8 @@ def train_data_parallel(rank, world_size, broadcast_parameters, train_step=None,
     model = build_model(sizes, sizes.seed + START_SEED_STRIDE * rank, dtype)
     run = DataParallelRun(None, [], None, [], [], [])
     try:
-        broadcast_parameters(model)
+        with intercept(before=outside_autograd):
+            broadcast_parameters(model)
         run.start = state(model)
         opt = make_optimizer(model.parameters(), optimizer)
         opt.register_step_pre_hook(lambda *_: run.grads.append(gradients(model)))
