@@ -364,7 +364,7 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           f"(FSDP2, dcp.save / dcp.load) loads from the same state. Resumed, the run ends with the uninterrupted "
           f"run's weights: exactly on {world_size} ranks"
           + "".join(f"; on {n} ranks within {ft.resume_tolerance(sizes):g} (max difference "
-                    f"{'0' if worst[n] == 0 else f'{worst[n]:.1e}'})" for n in others)
+                    f"{ft.shown_difference(worst[n])})" for n in others)
           + f". Broken copies ({', '.join(broken)}) get an error naming the file, and stay unchanged.")
 
 
@@ -547,10 +547,7 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
         raise AssertionError(f"{where}: the final weights differ from PyTorch's SPMD pipeline's (ScheduleGPipe) by "
                              f"{spmd:.3g}")
 
-    def shown(x):  # the last bits vary run to run: a stage adds its micro-batches' gradients as their backwards arrive
-        return "below 1e-15" if x < 1e-15 else f"{x:.1e}"
-
     print(f"train_step: correct. {num_stages} stages on their own workers, driven by one controller over RPC "
           f"({num_micro_batches} micro-batches, {num_steps} steps): step 0's gradients and the final weights equal "
-          f"the single-process run's (max difference {shown(worst)}) and PyTorch's SPMD pipeline's, ScheduleGPipe "
-          f"with one process per stage (max difference {shown(spmd)})")
+          f"the single-process run's (max difference {ft.shown_difference(worst)}) and PyTorch's SPMD pipeline's, "
+          f"ScheduleGPipe with one process per stage (max difference {ft.shown_difference(spmd)})")
