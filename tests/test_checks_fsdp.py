@@ -38,6 +38,15 @@ def test_right_answers_pass(capsys):
 
 
 
+def test_a_list_all_gather_put_together_is_one_unit():
+    """dist.all_gather into a list of pieces, then torch.cat: as right as one flat buffer, and one unit."""
+    listed = edited({"    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype)\n"
+                     "    dist.all_gather_single(full, shard)\n    return fsdp.unpad(full, shape)":
+                     "    pieces = [torch.empty_like(shard) for _ in range(world_size)]\n"
+                     "    dist.all_gather(pieces, shard)\n    return fsdp.unpad(torch.cat(pieces), shape)"})
+    check_fsdp(listed.FSDPLinear, listed.all_gather_unit, 4, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
+
+
 def sgd_zero_main(rank, world_size, Zero, sizes):
     """ZeRO with plain SGD: the optimizer class and its arguments reach the shards."""
     model = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed)

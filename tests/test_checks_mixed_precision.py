@@ -60,6 +60,16 @@ def test_right_answers_pass_at_other_sizes():
     run_check("fsdp", sol, 4, hidden_dim=5, num_layers=1, batch_size=8, seed=1)
 
 
+def test_a_list_all_gather_put_together_is_one_unit():
+    """dist.all_gather into a list of pieces, then torch.cat: as right as one flat buffer, and one unit."""
+    listed = solution(NOTEBOOK, replace={
+        "    full = torch.empty(world_size * shard.numel(), dtype=param_dtype)\n"
+        "    dist.all_gather_single(full, low)\n    return fsdp.unpad(full, shape)":
+        "    pieces = [torch.empty_like(low) for _ in range(world_size)]\n"
+        "    dist.all_gather(pieces, low)\n    return fsdp.unpad(torch.cat(pieces), shape)"})
+    run_check("fsdp", listed, 4, batch_size=8)
+
+
 # ---------------------------------------------------------------- the catalogue of wrong answers
 
 DIVIDE = "            p.grad.div_(self.scale)\n"

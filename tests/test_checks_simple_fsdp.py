@@ -34,6 +34,18 @@ def test_right_answers_pass(capsys):
                                                                            "backward": NUM_LAYERS - 1}}
 
 
+def test_a_list_all_gather_put_together_is_one_unit():
+    """dist.all_gather into a list of pieces, then torch.cat: as right as one flat buffer, and one unit."""
+    listed = edited({"    padded = torch.empty((world_size * k, *shard.shape[1:]), dtype=shard.dtype)\n"
+                     "    dist.all_gather_single(padded, simple_fsdp.pad_rows(shard, k).contiguous())\n"
+                     "    return padded[:rows]":
+                     "    pieces = [torch.empty((k, *shard.shape[1:]), dtype=shard.dtype) for _ in range(world_size)]\n"
+                     "    dist.all_gather(pieces, simple_fsdp.pad_rows(shard, k).contiguous())\n"
+                     "    return torch.cat(pieces)[:rows]"})
+    units = check_reshard(listed.data_parallel, listed.reshard_after_forward, 4, *SIZES[1:])
+    assert units["resharded"] == {"forward": 1, "backward": 1}
+
+
 # ---------------------------------------------------------------- bad input, before any rank starts
 
 def test_bad_input_is_a_value_error_naming_it():

@@ -4,7 +4,7 @@
     with tracker:
         train_step()
     tracker.peak        # {group: bytes} at the moment of the highest total
-    tracker.max_units   # the most all-gathered buffers alive at once
+    tracker.max_units   # the most all-gathers whose output is alive at once (gathered units)
     tracker.calls       # the communication calls made (utils.intercept.Call)
 
 At every operation (a TorchDispatchMode) and around every collective (utils.intercept's `before` and
@@ -12,7 +12,8 @@ At every operation (a TorchDispatchMode) and around every collective (utils.inte
   parameters       the tensors in `params()` (shards, or whole weights)
   gradients        their .grad, and the input of a reduce-scatter while it runs
   optimizer state  every tensor in the optimizer's state
-  gathered         the outputs of all-gathers not yet freed (finished or still in flight)
+  gathered         the outputs of all-gathers not yet freed (finished or still in flight), and a list
+                   all-gather's pieces put together (torch.cat), which belong to the same unit
 A storage counts while anything at all refers to it (a local variable, a view, ctx, a list) and it
 has not been freed (`utils.fsdp.free`: its storage resized to 0 bytes). Nothing is declared by the
 code under test: a gathered unit that is never freed keeps counting.
@@ -57,6 +58,7 @@ class MemoryTracker:
         self.phase, self.clock = phase, clock
         self.gathered, self.reducing, self.calls = [], [], []
         self.gather_calls = {}  # storage data_ptr -> the Call of the all-gather that filled it last
+        self.pieces = set()  # data_ptrs of a list all-gather's pieces, once put together: the result counts
         self.peak, self.max_units, self.units_by_phase = None, 0, {}
 
     def _storages(self):
@@ -69,20 +71,22 @@ class MemoryTracker:
         for state in self.optimizer.state.values():
             groups["optimizer state"] += [local_part(v).untyped_storage() for v in state.values()
                                           if isinstance(v, torch.Tensor)]
-        groups["gathered"] = [s for ref in self.gathered if (s := ref()) is not None]
+        groups["gathered"] = [s for ref in self.gathered  # a list's pieces put together: their result counts
+                              if (s := ref()) is not None and s.data_ptr() not in self.pieces]
         return groups
 
     def now(self):
         """({group: bytes} held right now, each storage counted once (a view is its base), the number of
-        gathered storages alive)."""
-        seen, sizes, units = set(), dict.fromkeys(GROUPS, 0), 0
+        all-gathers whose output is alive: gathered units)."""
+        seen, sizes, units = set(), dict.fromkeys(GROUPS, 0), set()
         for name, group in self._storages().items():
             for s in group:
                 if s.nbytes() and s.data_ptr() not in seen:
                     seen.add(s.data_ptr())
                     sizes[name] += s.nbytes()
-                    units += name == "gathered"
-        return sizes, units
+                    if name == "gathered":  # a unit is an all-gather: a list's pieces are one
+                        units.add(id(self.gather_calls.get(s.data_ptr())))
+        return sizes, len(units)
 
     def sample(self):
         sizes, units = self.now()
@@ -93,9 +97,25 @@ class MemoryTracker:
         if self.peak is None or sum(sizes.values()) > sum(self.peak.values()):
             self.peak = sizes
 
+    def note_pieces_put_together(self, func, args, out):
+        """torch.cat or torch.stack of one list all-gather's pieces (dist.all_gather fills a list): the result
+        belongs to that gather's unit, as all_gather_single's one buffer would, and counts as gathered in the
+        pieces' place (they are the code's temporaries, gone when it returns; gloo may hold them a moment more)."""
+        if func not in (torch.ops.aten.cat.default, torch.ops.aten.stack.default) or not isinstance(out, torch.Tensor):
+            return
+        alive = {s.data_ptr() for ref in self.gathered if (s := ref()) is not None and s.nbytes()}
+        pointers = {t.untyped_storage().data_ptr() for t in args[0]}
+        calls = {id(self.gather_calls.get(p)) for p in pointers}
+        if pointers <= alive and len(calls) == 1:
+            result = out.untyped_storage()
+            self.pieces = (self.pieces - {result.data_ptr()}) | pointers  # the result stands for the unit now
+            self.gathered.append(weakref.ref(result))
+            self.gather_calls[result.data_ptr()] = self.gather_calls[pointers.pop()]
+
     def _before(self, call, arguments):
         if call.name in GATHER_OUTPUT:
             outputs = storages(arguments[GATHER_OUTPUT[call.name]])
+            self.pieces -= {s.data_ptr() for s in outputs}  # memory reused for a new gather's output
             self.gathered += [weakref.ref(s) for s in outputs]
             self.gather_calls.update((s.data_ptr(), call) for s in outputs)
         elif call.name in SCATTER_INPUT:
@@ -155,6 +175,21 @@ class SettledMemoryTracker(MemoryTracker):
     def _use_count(storage):
         return torch._C._storage_Use_Count(storage._cdata)
 
+    def note_pieces_put_together(self, func, args, out):
+        """torch.cat or torch.stack of one list all-gather's pieces (dist.all_gather fills a list): the result
+        belongs to that gather's unit, as all_gather_single's one buffer would, and counts as gathered in the
+        pieces' place (they are the code's temporaries, gone when it returns; gloo may hold them a moment more)."""
+        if func not in (torch.ops.aten.cat.default, torch.ops.aten.stack.default) or not isinstance(out, torch.Tensor):
+            return
+        alive = {s.data_ptr() for ref in self.gathered if (s := ref()) is not None and s.nbytes()}
+        pointers = {t.untyped_storage().data_ptr() for t in args[0]}
+        calls = {id(self.gather_calls.get(p)) for p in pointers}
+        if pointers <= alive and len(calls) == 1:
+            result = out.untyped_storage()
+            self.pieces = (self.pieces - {result.data_ptr()}) | pointers  # the result stands for the unit now
+            self.gathered.append(weakref.ref(result))
+            self.gather_calls[result.data_ptr()] = self.gather_calls[pointers.pop()]
+
     def _before(self, call, arguments):
         if call.name in GATHER_OUTPUT:
             outputs = storages(arguments[GATHER_OUTPUT[call.name]])
@@ -176,6 +211,7 @@ class _SampleEveryOp(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.tracker.note_pieces_put_together(func, args, out)
         self.tracker.sample()  # after the op: its output is alive, its inputs too
         return out
 
