@@ -83,6 +83,17 @@ def test_an_exchange_that_deadlocks_ends_in_a_timeout_that_says_why(mistake, new
         check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
 
 
+@pytest.mark.parametrize("mistake, new", [
+    ("the send never waited for", "    receive = dist.irecv(recv_tensor, src=src)\n"
+                                  "    send = dist.isend(send_tensor, dst=dst)\n    receive.wait()\n"),
+    ("the receive never waited for", "    receive = dist.irecv(recv_tensor, src=src)\n"
+                                     "    send = dist.isend(send_tensor, dst=dst)\n    send.wait()\n"),
+])
+def test_an_exchange_that_forgets_a_wait_ends_in_a_timeout_that_names_it(mistake, new):
+    with pytest.raises(TimeoutError, match="(?s)a request is never waited for: wait for both.*did not finish"):
+        check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
+
+
 def test_a_ring_whose_receives_do_not_match_its_sends_ends_in_a_timeout_that_says_why():
     receives_twice = wrong(RS_ADD, RS_ADD + "        dist.irecv(incoming, src=left).wait()\n")
     with pytest.raises(TimeoutError, match="(?s)waits for a message that never comes.*did not finish"):

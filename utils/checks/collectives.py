@@ -94,7 +94,9 @@ def check_exchange(exchange, world_size, seed=0, timeout=CHECK_TIMEOUT):
     for n in world_sizes:
         results = _spawn_explaining_stalls(_exchange_main, n, exchange, seed, timeout=timeout, hint=(
             "exchange hangs when a rank blocks before both transfers are started: a blocking dist.send (or "
-            "dist.recv) on every rank waits for a partner that is itself waiting, or a send has no receive"))
+            "dist.recv) on every rank waits for a partner that is itself waiting, or a send has no receive; or "
+            "when a request is never waited for: wait for both the isend and the irecv before returning (on "
+            "gloo, a send whose handle nobody waits for can leave its partner waiting)"))
         for rank in range(n):
             for shape, dtype, step, got, log, nbytes in results[rank]:
                 sender = (rank - step) % n
@@ -305,8 +307,9 @@ def run_ring(fn, kind, world_size, seed=0, timeout=CHECK_TIMEOUT, properties=Non
     for n in world_sizes:
         results = _spawn_explaining_stalls(_ring_main, n, fn, kind, seed, kwargs, timeout=timeout, hint=(
             f"{name} hangs: some rank waits for a message that never comes. Every isend needs an irecv on the "
-            f"neighbour, of the same size, posted in the same order, and every rank must make the same number "
-            f"of steps"))
+            f"neighbour, of the same size, posted in the same order, every rank must make the same number "
+            f"of steps, and every isend and irecv must be waited for (on gloo, a send whose handle nobody waits "
+            f"for can leave its partner waiting)"))
         collectives = sorted({c.name for runs in results for run in runs for c in run.log if c.name in COLLECTIVES})
         if collectives:
             raise AssertionError(f"{name} calls dist.{collectives[0]}: build it from isend and irecv "
