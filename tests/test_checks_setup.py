@@ -16,7 +16,7 @@ DIVIDE = "    tensor /= dist.get_world_size()\n"
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_the_solution_passes(world_size, capsys):
     check_average_over_ranks(solution(NAME).average_over_ranks, world_size)
-    assert f"correct on {world_size} ranks" in capsys.readouterr().out
+    assert f"correct on {' and '.join(map(str, sorted({world_size, 3})))} ranks" in capsys.readouterr().out
 
 
 MISTAKES = {
@@ -45,8 +45,15 @@ MISTAKES = {
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_wrong_average_fails_and_names_the_mistake(mistake):
     replace, hint = MISTAKES[mistake]
-    with pytest.raises(AssertionError, match="average_over_ranks on rank 0, shape \\(1,\\): .*" + hint):
+    with pytest.raises(AssertionError, match="average_over_ranks on rank 0 of 3, shape \\(1,\\): .*" + hint):
         check_average_over_ranks(solution(NAME, replace=replace).average_over_ranks, 3)
+
+
+def test_a_division_by_the_default_world_size_fails_on_another():
+    """tensor /= 4 is right on the notebook's 4 ranks: the check runs on 3 ranks too."""
+    wrong = solution(NAME, replace={DIVIDE: "    tensor /= 4\n"})
+    with pytest.raises(AssertionError, match="on rank 0 of 3, .* the sum divided by 4: divide by the world size"):
+        check_average_over_ranks(wrong.average_over_ranks, 4)
 
 
 def test_a_missing_all_reduce_fails_even_on_one_rank():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.counting import calls, record_communication
-from utils.launch import spawn
+from utils.launch import runnable_world_sizes, spawn
 
 AVERAGE_SHAPES = [(1,), (5,), (3, 4)]
 
@@ -89,12 +89,16 @@ def _check_average(where, runs, inputs):
 
 
 def check_average_over_ranks(average_over_ranks, world_size, seed=0):
-    """Every rank must end with the mean over ranks of its tensor, written in place."""
-    results = spawn(_average_main, world_size, average_over_ranks, AVERAGE_SHAPES, seed, timeout=CHECK_TIMEOUT)
-    for i, shape in enumerate(AVERAGE_SHAPES):
-        runs = [results[rank][i] for rank in range(world_size)]
-        inputs = torch.stack([run.before for run in runs])
-        _check_average(lambda rank: f"average_over_ranks on rank {rank}, shape {tuple(shape)}", runs, inputs)
+    """Every rank must end with the mean over ranks of its tensor, written in place: on `world_size` ranks and
+    on 3 (a division by a fixed number that happens to be the world size is right on one of them only)."""
+    world_sizes = runnable_world_sizes(sorted({world_size, 3}))
+    for n in world_sizes:
+        results = spawn(_average_main, n, average_over_ranks, AVERAGE_SHAPES, seed, timeout=CHECK_TIMEOUT)
+        for i, shape in enumerate(AVERAGE_SHAPES):
+            runs = [results[rank][i] for rank in range(n)]
+            inputs = torch.stack([run.before for run in runs])
+            _check_average(lambda rank: f"average_over_ranks on rank {rank} of {n}, shape {tuple(shape)}", runs,
+                           inputs)
     shapes = ", ".join(str(tuple(s)) for s in AVERAGE_SHAPES)
-    print(f"average_over_ranks: correct on {world_size} ranks for shapes {shapes}; matches the single-process mean "
-          f"and dist.all_reduce(op=AVG) to {TOLERANCE:g}, with one all_reduce per call")
+    print(f"average_over_ranks: correct on {' and '.join(map(str, world_sizes))} ranks for shapes {shapes}; matches "
+          f"the single-process mean and dist.all_reduce(op=AVG) to {TOLERANCE:g}, with one all_reduce per call")
