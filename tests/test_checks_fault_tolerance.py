@@ -39,6 +39,19 @@ def test_right_answers_pass(capsys):
     assert "loaded on 4, 3, 2 ranks" in out and "exactly on 4 ranks" in out
 
 
+def test_right_answers_pass_on_other_world_sizes():
+    """Saved on 2 ranks and loaded on 3 and 4: the new ranks get fresh RNG states, and read only their shards."""
+    checkpoint(solution(NOTEBOOK), world_size=2)
+
+
+def test_latest_checkpoint_may_read_the_metadata():
+    """The fake complete checkpoints hold metadata as a save writes it: an answer that reads it is right."""
+    reads = edited({"and os.path.exists(ft.metadata_path(os.path.join(root, name)))]":
+                    "and os.path.exists(ft.metadata_path(os.path.join(root, name)))\n"
+                    "                and __import__('json').load(open(ft.metadata_path(os.path.join(root, name))))]"})
+    check_latest_checkpoint(reads.latest_checkpoint)
+
+
 def test_sizes_fail_before_any_rank_starts():
     with pytest.raises(ValueError, match="global batch size 12 is not divisible by world size 5"):
         ft.check_run_sizes(SIZES, 5)
@@ -105,6 +118,11 @@ SAMPLER = [
      "resumed after .* it starts the epoch again"),
     ({"        epoch, step_in_epoch = divmod(step, steps_per_epoch)":
       "        epoch, step_in_epoch = 0, step % steps_per_epoch"}, "it resumes in epoch 0"),
+    # the same permutation, from torch's global RNG (seeded with seed + epoch): every rank's dropout reset
+    ({"            generator = torch.Generator()\n            generator.manual_seed(self.seed + self.epoch)\n"
+      "            indices = torch.randperm(self.dataset_size, generator=generator).tolist()":
+      "            torch.manual_seed(self.seed + self.epoch)\n"
+      "            indices = torch.randperm(self.dataset_size).tolist()"}, "changed torch's global RNG"),
 ]
 
 
@@ -142,9 +160,28 @@ CHECKPOINT = [
     # the RNG state not restored
     ({'        rng = old_shard(rank)["rng"]\n': "        rng = torch.get_rng_state()\n"},
      "did not get its own RNG state back"),
-    # the shard sizes never gathered: the metadata says 0 bytes
+    # the shard sizes never gathered: rank 0 does not wait for the others' files (and its metadata says 0 bytes)
     ({"    dist.all_gather_single(shard_bytes, torch.tensor([os.path.getsize(path)]))\n": ""},
-     "the metadata says 0"),
+     "rank 0 wrote the metadata before rank 1's shard file existed"),
+    # no barrier at the end: a rank returns (and a restart may look) before the metadata is written
+    ({"    dist.barrier()  # no rank goes on before the metadata is written: the checkpoint is complete\n": ""},
+     "save_checkpoint returned on rank \\d before rank 0 had written the metadata"),
+    # every rank writes the metadata
+    ({"    if rank == 0:\n        ft.write_metadata": "    if True:\n        ft.write_metadata"},
+     "rank \\d wrote the metadata: only rank 0 writes it"),
+    # the file sizes assumed to be rank 0's (no collective): the metadata can come before the other shards
+    ({"    shard_bytes = torch.zeros(world_size, dtype=torch.int64)\n"
+      "    dist.all_gather_single(shard_bytes, torch.tensor([os.path.getsize(path)]))\n":
+      "    shard_bytes = torch.tensor([os.path.getsize(path)] * world_size)\n"},
+     "rank 0 wrote the metadata before rank 1's shard file existed"),
+    # the TrainState itself saved: torch.load(weights_only=True) refuses it
+    ({'torch.save({"sharded": state.sharded, "rng": state.rng}, path)': "torch.save(state, path)"},
+     "shard_0.pt cannot be loaded with torch.load\\(weights_only=True\\)"),
+    # every rank reads every old shard (the whole checkpoint on every rank)
+    ({"    sharded = {}\n    for name, shape in shapes.items():\n":
+      "    for old_rank in range(saved_on):\n        old_shard(old_rank)\n"
+      "    sharded = {}\n    for name, shape in shapes.items():\n"},
+     "read the old shards \\[.*\\] \\(saved on 4 ranks\\); it needs"),
     # the metadata read by hand: a corrupted file's error does not name it
     ({"    metadata = ft.read_metadata(directory, shapes)\n":
       "    metadata = __import__('json').load(open(ft.metadata_path(directory)))\n"},
@@ -156,6 +193,14 @@ CHECKPOINT = [
 def test_wrong_checkpoint_fails(replace, match):
     with pytest.raises(AssertionError, match=match):
         checkpoint(edited(replace))
+
+
+def test_a_new_rank_given_another_ranks_rng_state_fails():
+    """Saved on 2, loaded on 3: rank 2 did not exist, and must not share another rank's random numbers."""
+    same = edited({'        rng = ft.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], rank)\n':
+                   '        rng = ft.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], 0)\n'})
+    with pytest.raises(AssertionError, match="rank 2, which did not exist when the checkpoint was saved, did not get"):
+        checkpoint(same, world_size=2)
 
 
 def test_resumed_run_without_adamw_state_is_caught():

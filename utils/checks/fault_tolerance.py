@@ -14,8 +14,10 @@ the controller over RPC.
 """
 import hashlib
 import os
+import pickle
 import shutil
 import tempfile
+import time
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -134,11 +136,32 @@ def _verify_resume(Sampler):
                                          f"uninterrupted sampler continues with {want}: {why}")
 
 
+def _verify_global_rng_untouched(Sampler):
+    """A sampler draws from its own generator: seeding or drawing from torch's global RNG would reset every
+    rank's dropout and initialisation stream to the same values, and undo the RNG state a checkpoint restores."""
+    state = torch.get_rng_state()
+    torch.manual_seed(12345)
+    before = torch.get_rng_state()
+    for epoch in range(2):
+        sampler = Sampler(13, 3, 1, seed=7)
+        sampler.set_epoch(epoch)
+        list(sampler)
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    if not torch.equal(before, after):
+        raise AssertionError("ShardedSampler changed torch's global RNG (torch.manual_seed, or torch.randperm "
+                             "without a generator): shuffle with a torch.Generator of its own, seeded from "
+                             "seed + epoch, as DistributedSampler does (the global RNG is the model's: dropout, "
+                             "initialisation, and the state a checkpoint restores)")
+
+
 def check_sampler(Sampler):
-    """ShardedSampler against DistributedSampler; each row once per epoch; resumed against uninterrupted."""
+    """ShardedSampler against DistributedSampler; each row once per epoch; resumed against uninterrupted; its
+    own generator, not torch's global RNG."""
     runs = _verify_against_pytorch(Sampler)
     _verify_each_row_once(Sampler)
     _verify_resume(Sampler)
+    _verify_global_rng_untouched(Sampler)
     print(f"ShardedSampler: correct, checked in this process (a sampler needs no communication, so no ranks): "
           f"index for index equal to DistributedSampler in {runs} cases (datasets of "
           f"{', '.join(map(str, DATASET_SIZES))} rows, 1-4 replicas, every rank, {EPOCHS} epochs, shuffled or not, "
@@ -152,6 +175,82 @@ def _other_world_sizes(world_size):
     """Load on the same world size and on others, uneven shards among them (under torchrun: torchrun's only)."""
     others = [n for n in (3, 2, 4) if n != world_size][:2]
     return runnable_world_sizes([world_size] + others)
+
+
+LATE = 0.2  # seconds a rank is held back, so that code which does not wait for it shows it deterministically
+
+
+def _saved_in_order(save_checkpoint):
+    """save_checkpoint as the stopped run calls it, checking the order of a save: every rank but 0 writes its file
+    LATE, rank 0 writes the metadata LATE; the metadata must find every shard written and come from rank 0 only,
+    and no rank may return before it exists (a restart would find the checkpoint half done)."""
+    def save(directory, state, shapes, rank, world_size):
+        write_metadata, save_file = ft.write_metadata, torch.save
+
+        def late_save_file(*args, **kwargs):
+            time.sleep(LATE)
+            return save_file(*args, **kwargs)
+
+        def checked_write_metadata(folder, metadata):
+            if rank != 0:
+                raise AssertionError(f"rank {rank} wrote the metadata: only rank 0 writes it (every rank writing "
+                                     f"the same file at once can leave it half written)")
+            missing = [r for r in range(world_size) if not os.path.exists(ft.shard_path(folder, r))]
+            if missing:
+                raise AssertionError(f"rank 0 wrote the metadata before rank {missing[0]}'s shard file existed: the "
+                                     f"metadata is the checkpoint's last file; wait for every rank's file (learning "
+                                     f"the file sizes from every rank does) before writing it")
+            time.sleep(LATE)
+            write_metadata(folder, metadata)
+
+        torch.save, ft.write_metadata = (late_save_file if rank else save_file), checked_write_metadata
+        try:
+            save_checkpoint(directory, state, shapes, rank, world_size)
+        finally:
+            torch.save, ft.write_metadata = save_file, write_metadata
+        if not os.path.exists(ft.metadata_path(directory)):
+            raise AssertionError(f"save_checkpoint returned on rank {rank} before rank 0 had written the metadata: "
+                                 f"return only once the checkpoint is complete (every rank waits for rank 0)")
+    return save
+
+
+def _read_what_overlaps(load_checkpoint):
+    """load_checkpoint, checking that each rank reads (ft.read_shard) each old shard that overlaps its new range
+    once (and its own old file, for its RNG state), and no other: on N ranks each reads about 1/N of the
+    checkpoint, not all of it."""
+    def load(directory, shapes, rank, world_size):
+        read_shard, reads = ft.read_shard, []
+
+        def counted(folder, old_rank, metadata):
+            reads.append(old_rank)
+            return read_shard(folder, old_rank, metadata)
+
+        ft.read_shard = counted
+        try:
+            state = load_checkpoint(directory, shapes, rank, world_size)
+        finally:
+            ft.read_shard = read_shard
+        if any(state.sharded.get(name) is None or state.sharded[name].numel() != fsdp.shard_numel(
+                torch.Size(shape).numel(), world_size) for name, shape in shapes.items()):
+            return state  # not resharded: the check says so, from the values
+        saved_on = ft.read_metadata(directory, shapes)["world_size"]
+        needed = {old for shape in shapes.values() for old in _overlapping(torch.Size(shape).numel(), saved_on,
+                                                                         rank, world_size)}
+        needed |= {rank} if rank < saved_on else set()  # its own old file holds its RNG state
+        if sorted(reads) != sorted(needed):
+            raise AssertionError(f"load_checkpoint on rank {rank} of {world_size} read the old shards {reads} (saved "
+                                 f"on {saved_on} ranks); it needs {sorted(needed)} (the old shards its new range "
+                                 f"overlaps, and its own old file for its RNG state): read each of those once, and no "
+                                 f"other")
+        return state
+    return load
+
+
+def _overlapping(numel, saved_on, rank, world_size):
+    """The old ranks whose shards hold part of `rank`'s new range of a tensor of `numel` elements."""
+    old, new = fsdp.shard_numel(numel, saved_on), fsdp.shard_numel(numel, world_size)
+    start, stop = rank * new, min((rank + 1) * new, numel)
+    return [r for r in range(saved_on) if max(start, r * old) < min(stop, (r + 1) * old)]
 
 
 def _spawn(fn, world_size, what, *args, **kwargs):
@@ -177,7 +276,13 @@ def _verify_files(directory, sizes, world_size):
         raise AssertionError(f"save_checkpoint on {world_size} ranks wrote {sorted(files)}; expected "
                              f"{sorted(want)}: one file per rank (ft.shard_path) and rank 0's metadata")
     for rank in range(world_size):
-        saved = torch.load(ft.shard_path(directory, rank), weights_only=True)
+        try:
+            saved = torch.load(ft.shard_path(directory, rank), weights_only=True)
+        except pickle.UnpicklingError as e:
+            refused = str(e).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
+            raise AssertionError(f"shard_{rank}.pt cannot be loaded with torch.load(weights_only=True), the safe way "
+                                 f"to read a checkpoint (it unpickles no code): it holds a {refused}; save plain "
+                                 f"tensors in a dict, {{'sharded': ..., 'rng': ...}}") from None
         for name, shape in sizes.shapes().items():
             tensor = saved.get("sharded", {}).get(name) if isinstance(saved, dict) else None
             want_numel = fsdp.shard_numel(torch.Size(shape).numel(), world_size)
@@ -212,6 +317,11 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                                  f"{saved[0].sampler} was saved")
         if rank < saved_on and not torch.equal(state.rng, saved[rank].rng):
             raise AssertionError(f"{where}: rank {rank} did not get its own RNG state back (saved by rank {rank})")
+        fresh = ft.fresh_rng_state(saved[0].sampler["seed"], saved[0].step, rank)
+        if rank >= saved_on and not torch.equal(state.rng, fresh):
+            raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved, did not "
+                                 f"get ft.fresh_rng_state(seed, step, rank) (another rank's saved state would give "
+                                 f"it that rank's random numbers)")
     got, want = ft.full_state(loaded, sizes), ft.full_state(saved, sizes)
     for name in sizes.shapes():
         if not torch.equal(got[name], want[name]):
@@ -341,17 +451,18 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
         raise ValueError(f"stop_after must be below num_steps={sizes.num_steps}, got {stop_after}")
     ft.check_run_sizes(sizes, world_size)
     student = ft.Student(Sampler, save_checkpoint, load_checkpoint)
+    checked = ft.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
     world_sizes = _other_world_sizes(world_size)
     uninterrupted = _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
     with ft.temporary_checkpoint_folder() as directory:
-        stopped = _spawn(ft.train_main, world_size, "save_checkpoint", sizes, student, stop_after=stop_after,
+        stopped = _spawn(ft.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
                          directory=directory)
         _verify_files(directory, sizes, world_size)
         saved = [t.saved for t in stopped]
         loaded_full, worst = {}, {}
         for n in world_sizes:
             ft.check_run_sizes(sizes, n)
-            resumed = _spawn(ft.train_main, n, "load_checkpoint", sizes, student, directory=directory, resume=True)
+            resumed = _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory, resume=True)
             loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed], sizes, world_size, n)
             worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
         _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
@@ -379,8 +490,8 @@ def _make_checkpoints(root, complete=(), incomplete=(), half_written=(), other=(
         os.makedirs(folder)
         for rank in range(2):
             open(ft.shard_path(folder, rank), "wb").close()
-        if step in complete:
-            open(ft.metadata_path(folder), "w").close()
+        if step in complete:  # what a save writes (a real one also holds shapes, sampler, shard bytes)
+            ft.write_metadata(folder, {"world_size": 2, "step": step})
         if step in half_written:
             open(ft.metadata_path(folder) + ".tmp", "w").close()
     for name in other:
