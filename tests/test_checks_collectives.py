@@ -94,6 +94,14 @@ def test_an_exchange_that_forgets_a_wait_ends_in_a_timeout_that_names_it(mistake
         check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
 
 
+def test_a_receive_buffer_of_the_wrong_size_is_named_not_only_gloos_abort():
+    """The buffer sized by this rank's chunk, not the longest: on 3 ranks a (2,) tensor has an empty chunk 2."""
+    short = wrong("    buffer = torch.empty_like(chunks[0])  # chunk 0 is the longest\n",
+                  "    buffer = torch.empty_like(chunks[rank])\n")
+    with pytest.raises(AssertionError, match="SIGABRT .*: a message arrived whose size is not its receive buffer's"):
+        check_ring(short.ring_reduce_scatter, "reduce_scatter", 3)
+
+
 def test_a_ring_whose_receives_do_not_match_its_sends_ends_in_a_timeout_that_says_why():
     receives_twice = wrong(RS_ADD, RS_ADD + "        dist.irecv(incoming, src=left).wait()\n")
     with pytest.raises(TimeoutError, match="(?s)waits for a message that never comes.*did not finish"):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
 from utils.counting import bytes_sent
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import runnable_world_sizes, spawn
+from utils.launch import RankError, runnable_world_sizes, spawn
 
 RING_DTYPES = (torch.float64, torch.float32, torch.int64)
 RING_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.int64: 0}
@@ -44,12 +44,24 @@ def _ranks(ranks):
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"  # gloo aborts the receiving process
+
+
 def _spawn_explaining_stalls(fn, world_size, *args, timeout, hint):
-    """spawn; a stall is still a TimeoutError, its message opened by what usually causes it here."""
+    """spawn; a stall is still a TimeoutError, its message opened by what usually causes it here; a receive
+    into a buffer of the wrong size (gloo aborts the process) an AssertionError that says so."""
     try:
         return spawn(fn, world_size, *args, timeout=timeout)
     except TimeoutError as e:
         raise TimeoutError(f"{hint}.\n{e}") from None
+    except RankError as e:
+        if GLOO_SIZE_MISMATCH not in str(e):
+            raise
+        raise AssertionError(f"{e.args[0].splitlines()[0]}: a message arrived whose size is not its receive "
+                             f"buffer's: gloo ends the process. Every irecv's buffer must have exactly the size "
+                             f"of what its neighbour sends in that step (torch.tensor_split makes chunks of "
+                             f"unequal sizes: receive chunk k into a buffer of chunk k's size), and a receive "
+                             f"without src must not catch another rank's message") from None
 
 
 # ---------------------------------------------------------------- exchange
