@@ -36,6 +36,8 @@ MISTAKES = {
                                   "the sum divided by 2: divide by the world size, "
                                   "dist.get_world_size\\(\\) \\(here 3\\)"),
     "all-reduced twice": ({ALL_REDUCE: ALL_REDUCE * 2}, "2 all-reduces for one average"),
+    "asynchronous, never waited for": ({"op=dist.ReduceOp.SUM)": "op=dist.ReduceOp.SUM, async_op=True)"},
+                                       "asynchronous .* never waited for: .* call .wait\\(\\) before dividing"),
     "an extra collective whose result is thrown away": (
         {DIVIDE: DIVIDE + "    dist.broadcast(tensor.clone(), src=0)\n"},
         "the result is right but took 2 communication calls; one dist.all_reduce"),

@@ -24,6 +24,8 @@ class AverageRun:
     all_reduces: int
     communication_calls: int
     pytorch: torch.Tensor  # dist.all_reduce(op=AVG) of the same tensor: a second opinion on the reference
+    asynchronous: bool = False  # a call made with async_op=True
+    unwaited: bool = False  # ... whose handle was never waited for before the function returned
 
 
 def _average_main(rank, world_size, average_over_ranks, shapes, seed):
@@ -35,7 +37,9 @@ def _average_main(rank, world_size, average_over_ranks, shapes, seed):
             average_over_ranks(tensor)
         pytorch = before.clone()
         dist.all_reduce(pytorch, op=dist.ReduceOp.AVG)
-        runs.append(AverageRun(before, tensor, calls(log, "all_reduce"), len(log), pytorch))
+        runs.append(AverageRun(before, tensor, calls(log, "all_reduce"), len(log), pytorch,
+                               any(not call.blocking for call in log),
+                               any(not call.blocking and call.waited_at is None for call in log)))
     return runs
 
 
@@ -56,6 +60,9 @@ def _what_went_wrong(runs, inputs):
         return f"{all_reduces} all-reduces for one average: one sums the ranks' tensors, a second sums the sums"
     if all(run.communication_calls == 0 for run in runs):
         return "the ranks never communicated: dist.all_reduce sums a tensor over the ranks"
+    if any(run.asynchronous for run in runs):
+        return ("the all_reduce was asynchronous (async_op=True) and its result was used before it arrived: wait "
+                "for its handle (.wait()) before dividing and before returning, or make it blocking")
     if everywhere(lambda rank: inputs[rank]):
         return "the tensor is unchanged: change it in place (all_reduce and /= do; t = t / n makes a new tensor)"
     if everywhere(lambda rank: total):
@@ -80,6 +87,10 @@ def _check_average(where, runs, inputs):
     mean = inputs.mean(dim=0)  # the single-process reference
     for rank, run in enumerate(runs):
         assert _close(run.pytorch, mean), f"{where(rank)}: dist.all_reduce(AVG) disagrees with the mean"
+        if run.unwaited:  # right or wrong values then depend on timing: say so whatever they are
+            raise AssertionError(f"{where(rank)}: the all_reduce was asynchronous (async_op=True) and its handle was "
+                                 f"never waited for: the tensor may or may not hold the sum when you use it; call "
+                                 f".wait() before dividing, or make it blocking")
         if not _close(run.after, mean):
             raise AssertionError(f"{where(rank)}: wrong result; {_what_went_wrong(runs, inputs)}")
         if run.communication_calls != 1:
