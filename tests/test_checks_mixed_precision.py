@@ -116,6 +116,10 @@ CATALOGUE = {
     "unscales twice in the step": ("step", {UNSCALE: UNSCALE + " or scaler.unscale_(master.parameters())"},
                                    "unscale once"),
     "does not skip on inf": ("step", {STEP: "    optimizer.step()\n"}, "must be skipped"),
+    "low-precision gradients never cleared": ("step", {"        p.grad, low.grad = low.grad.float(), None\n":
+                                                       "        p.grad = low.grad.float()\n"},
+                                              "fp32: step 1: .* though the updates before were right: something "
+                                              "carries over .* low-precision model's .grad"),
     "never updates the scale": ("step", {"        scaler.update(found_inf)\n": "        pass\n"},
                                 "call scaler.update"),
     # average_gradients

@@ -195,9 +195,14 @@ def _step_hint(got, want, step, tolerance):
     worst = max(max_abs_diff(g, w) for g, w in zip(after, right))
     size = max(w.abs().max().item() for w in right)
     if worst > tolerance * max(1.0, size) or any(g.dtype != torch.float32 for g in after):
-        return (f"the fp32 master weights differ from the reference's by up to {worst:.3g} (largest {size:.3g}): if "
-                f"the gradients were divided by the scale twice (or not at all), each update is 1/scale (or scale) "
-                f"times the reference's: unscale once, before the optimizer step")
+        differ = f"the fp32 master weights differ from the reference's by up to {worst:.3g} (largest {size:.3g})"
+        if any(want.stepped[:step]):  # _compare stops at the first wrong step: earlier updates were right
+            return (f"{differ}, though the updates before were right: something carries over from one step to the "
+                    f"next, such as gradients left in the low-precision model's .grad (they add up unless cleared)")
+        if got.scales[step] is None:
+            return f"{differ}: give the master parameters the low-precision gradients, cast to fp32, and step"
+        return (f"{differ}: if the gradients were divided by the scale twice (or not at all), each update is 1/scale "
+                f"(or scale) times the reference's: unscale once, before the optimizer step")
     return None
 
 
