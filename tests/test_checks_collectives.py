@@ -63,6 +63,15 @@ EXCHANGE_MISTAKES = {
 }
 
 
+@pytest.mark.parametrize("right", [
+    "    send = dist.isend(send_tensor, dst=dst)\n    dist.recv(recv_tensor, src=src)\n    send.wait()\n",
+    "    receive = dist.irecv(recv_tensor, src=src)\n    dist.send(send_tensor, dst=dst)\n    receive.wait()\n",
+])
+def test_a_blocking_call_while_the_other_transfer_is_in_flight_is_right(right):
+    """One request in flight, the other transfer blocking: they overlap, and no rank can wait for another."""
+    check_exchange(wrong(EXCHANGE, right).exchange, 3)
+
+
 @pytest.mark.parametrize("mistake", EXCHANGE_MISTAKES)
 def test_a_wrong_exchange_fails_and_names_the_mistake(mistake):
     new, hint = EXCHANGE_MISTAKES[mistake]
