@@ -154,6 +154,9 @@ CATALOGUE = {
     "buckets: hooks on frozen parameters": ("bucketed", {
         "reversed([p for p in model.parameters() if p.requires_grad])": "reversed(list(model.parameters()))"},
         r"BucketedGradientSync \(awkward, one bucket\): rank 0 raised RuntimeError: .* frozen.weight is frozen"),
+    "buckets: a parameter that fills a bucket exactly opens a new one": ("bucketed", {
+        "size + nbytes <= capacity": "size + nbytes < capacity"},
+        r"BucketedGradientSync \(mlp, 2 weights per bucket\)"),
     "buckets: dtypes mixed in a bucket": ("bucketed", {"p.numel() * p.element_size(), p.dtype  #":
                                                        "p.numel() * p.element_size(), None  #"},
                                           r"\(awkward, one bucket\): rank 0 raised .* a flat buffer holds one dtype: "

@@ -340,9 +340,10 @@ def check_overlapped_sync(OverlappedGradientSync, world_size, hidden_dim, num_la
 
 
 def bucket_cases(hidden_dim):
-    """{label: bucket_size_mb}: everything in one bucket, 2 of the MLP's weights per bucket, smaller than one."""
+    """{label: bucket_size_mb}: everything in one bucket, 2 of the MLP's weights per bucket (exactly: a
+    parameter that fills a bucket to its size still joins it), smaller than one."""
     weight_mb = hidden_dim**2 * 8 / 2**20
-    return {", one bucket": 1000 * weight_mb, ", 2 weights per bucket": 2.5 * weight_mb,
+    return {", one bucket": 1000 * weight_mb, ", 2 weights per bucket": 2 * weight_mb,
             ", buckets smaller than a weight": 0.5 * weight_mb}
 
 
