@@ -154,6 +154,11 @@ CATALOGUE = {
     "buckets: hooks on frozen parameters": ("bucketed", {
         "reversed([p for p in model.parameters() if p.requires_grad])": "reversed(list(model.parameters()))"},
         r"BucketedGradientSync \(awkward, one bucket\): rank 0 raised RuntimeError: .* frozen.weight is frozen"),
+    # values that match no known mistake (as when a sum is divided before its wait): the reminder of the wait
+    "overlapped: gradients off by an unexplained amount": ("overlapped", {
+        "            param.grad /= self.world_size\n": "            param.grad /= self.world_size\n"
+                                                        "            param.grad += 0.01\n"},
+        "it differs from the whole batch's gradient .* divide \\(or copy out\\) after the wait"),
     "buckets: a parameter that fills a bucket exactly opens a new one": ("bucketed", {
         "size + nbytes <= capacity": "size + nbytes < capacity"},
         r"BucketedGradientSync \(mlp, 2 weights per bucket\)"),
