@@ -104,6 +104,10 @@ def test_compiled_the_gathers_are_recomputed_not_saved():
 # ---------------------------------------------------------------- they fail, saying why
 
 REDISTRIBUTE = [
+    # torch.chunk for this rank's rows: fewer pieces than ranks when there are fewer rows
+    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n":
+      "        return local.chunk(world_size)[rank].clone()\n"},
+     "torch.chunk gives fewer than N pieces .* IndexError"),
     ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n"
       "        return padded[:rows]":
       "        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n        return padded"},

@@ -41,6 +41,9 @@ def _spawn(fn, world_size, *args, what, hints):
 
 UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad each shard to k = ceil(rows / N) rows "
           "before it, and drop the padding after)")
+FEWER_PIECES = (" (torch.chunk gives fewer than N pieces when the rows do not fill N chunks of ceil(rows / N): 2 "
+                "rows on 3 ranks give 2 pieces, and rank 2 has none to index; a rank's Shard(0) rows are "
+                "simple_fsdp.local_shard's, empty where it holds none)")
 FLAT_UNIT_CRASHES = {
     "invalid tensor size": UNEVEN,
     "cannot assign": " (the module still has its own parameters where forward sets the views: delete them from the "
@@ -116,7 +119,7 @@ def check_redistribute(redistribute, world_size, seed=0):
     sizes = sorted({world_size, _other_world_size(world_size)})
     for n in sizes:
         by_rank = _spawn(redistribute_main, n, redistribute, shapes_for(n), seed, what="redistribute",
-                         hints={"invalid tensor size": UNEVEN})
+                         hints={"invalid tensor size": UNEVEN, "IndexError": FEWER_PIECES})
         for rank, results in enumerate(by_rank):
             for shape, src, dst, (ours, ours_log), (theirs, theirs_log) in results:
                 what = f"redistribute {_name(src)} -> {_name(dst)} of shape {shape} on rank {rank} of {n}"
