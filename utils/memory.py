@@ -175,21 +175,6 @@ class SettledMemoryTracker(MemoryTracker):
     def _use_count(storage):
         return torch._C._storage_Use_Count(storage._cdata)
 
-    def note_pieces_put_together(self, func, args, out):
-        """torch.cat or torch.stack of one list all-gather's pieces (dist.all_gather fills a list): the result
-        belongs to that gather's unit, as all_gather_single's one buffer would, and counts as gathered in the
-        pieces' place (they are the code's temporaries, gone when it returns; gloo may hold them a moment more)."""
-        if func not in (torch.ops.aten.cat.default, torch.ops.aten.stack.default) or not isinstance(out, torch.Tensor):
-            return
-        alive = {s.data_ptr() for ref in self.gathered if (s := ref()) is not None and s.nbytes()}
-        pointers = {t.untyped_storage().data_ptr() for t in args[0]}
-        calls = {id(self.gather_calls.get(p)) for p in pointers}
-        if pointers <= alive and len(calls) == 1:
-            result = out.untyped_storage()
-            self.pieces = (self.pieces - {result.data_ptr()}) | pointers  # the result stands for the unit now
-            self.gathered.append(weakref.ref(result))
-            self.gather_calls[result.data_ptr()] = self.gather_calls[pointers.pop()]
-
     def _before(self, call, arguments):
         if call.name in GATHER_OUTPUT:
             outputs = storages(arguments[GATHER_OUTPUT[call.name]])
