@@ -26,10 +26,11 @@ def max_abs_diff(a, b):
     return float("inf") if diff.isnan().any() else diff.max().item()
 
 
-def diagnose_gradient(got, want, local, world_size, num_micro_batches=1):
+def diagnose_gradient(got, want, local, world_size, num_micro_batches=1, unexplained=""):
     """Why a gradient (or a shard of one) is not `want`, the whole batch's: the usual mistakes, in words.
 
-    `local` is this rank's own gradient (of its slice of the batch, the same part as `want`)."""
+    `local` is this rank's own gradient (of its slice of the batch, the same part as `want`); `unexplained` is
+    added when the values match no known mistake (what else to look at, in the exercise at hand)."""
     if got is None:
         return "it is None: no gradient reached it"
     if got.shape != want.shape:
@@ -52,4 +53,5 @@ def diagnose_gradient(got, want, local, world_size, num_micro_batches=1):
         if max_abs_diff(got, value) < tolerance * max(1.0, value.abs().max().item()):
             return hint
     difference, scale = max_abs_diff(got, want), want.abs().max().item()
-    return f"it differs from the whole batch's gradient by up to {difference:.3g} (its largest entry is {scale:.3g})"
+    return (f"it differs from the whole batch's gradient by up to {difference:.3g} (its largest entry is {scale:.3g})"
+            f"{unexplained}")
