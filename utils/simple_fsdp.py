@@ -445,7 +445,8 @@ def recording_backend(graphs, bucket=False, partition="min_cut"):
             if bucket:
                 bucket_collectives(gm)
             saved = [tuple(node.meta["val"].shape) for node in gm.graph.find_nodes(op="placeholder")
-                     if kind == "backward" and not node.name.startswith("tangents")]
+                     if kind == "backward" and not node.name.startswith("tangents")
+                     and isinstance(node.meta["val"], torch.Tensor)]  # not a size (a SymInt, if shapes are dynamic)
             graphs.append(Graph(kind, captured, collective_nodes(gm), saved))
             return make_boxed_func(gm.forward)
         return compile_graph
@@ -465,7 +466,9 @@ def compiled_main(rank, world_size, sizes, backend="aot_eager", bucket=False, pa
         optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
         if compiled:
             chosen = recording_backend(graphs, bucket, partition) if backend == "aot_eager" else backend
-            forward = torch.compile(net, backend=chosen, fullgraph=True)
+            # dynamic=False: a call with other sizes in the same process (under torchrun every call is) compiles anew
+            # with static shapes, as each fresh rank process does, instead of recompiling with symbolic sizes
+            forward = torch.compile(net, backend=chosen, fullgraph=True, dynamic=False)
         else:
             forward = net
         losses = []
