@@ -166,10 +166,8 @@ def fsdp2_with_adamw(world_size, hidden_dim, num_layers, seed=0, full_state=None
     "optim": {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}}), set_state_dict shards it into them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from utils.fsdp import ADAMW
-
     model = fully_shard_mlp(world_size, hidden_dim, num_layers, seed, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    optimizer = make_optimizer(model.parameters(), "adamw")  # the course's AdamW (utils.fsdp.ADAMW's settings)
     if full_state is not None:
         optim_state = {"state": full_state["optim"]["state"], "param_groups": optimizer.state_dict()["param_groups"]}
         for group in optim_state["param_groups"]:  # state dicts name parameters by their fully qualified names
