@@ -162,29 +162,38 @@ FSDP_LINEAR = [
      "does not hold its shard of the whole batch's gradient"),
 ]
 
+PREFETCH_AHEAD = "            if len(self.in_flight) >= self.cap:\n"
+# the Prefetcher the course shipped before: the next units by index, +1 in forward and -1 in backward. Behind an
+# embedding, backward's last gather asks for unit 0, whose backward needs no weight: a gather in vain
+BY_INDEX = {"        order = self.order[phase]\n        for ahead in order[order.index(unit) + 1:]:\n":
+            "        step = 1 if phase == \"forward\" else -1\n"
+            "        for ahead in range(unit + step, len(self.shards) if step > 0 else -1, step):\n"}
+# (used in the next forward, a stale copy, as issue 12 found; or dropped when the phase changes, in vain)
+GET_OR_START = "        if unit not in self.in_flight:\n"
+PHASE = "        self.phase = getattr(self, \"phase\", phase)\n"
+DROPPED = ("        if phase != self.phase:\n"
+           "            for full, work in self.in_flight.values():\n"
+           "                work.wait()\n"
+           "                fsdp.free(full)\n"
+           "            self.in_flight, self.phase = {}, phase\n")
 PREFETCHER = [
     # the issue's: a "prefetch" that is a synchronous all-gather, a completed handle stored
     ({"        self.in_flight[unit] = full, dist.all_gather_single(full, shard, async_op=True)\n":
       "        work = dist.all_gather_single(full, shard, async_op=True)\n        work.wait()\n"
       "        self.in_flight[unit] = full, work\n"},
      "prefetched and waited for right after it was started .*no overlap"),
-    ({"        while len(self.in_flight) < self.cap":
-      "        while phase == \"forward\" and len(self.in_flight) < self.cap"},
+    ({PREFETCH_AHEAD: "            if phase == \"backward\" or len(self.in_flight) >= self.cap:\n"},
      "Prefetcher\\(cap=1\\).*up to 1 gathered units were alive at once in step 0's backward"),
-    ({"        while len(self.in_flight) < self.cap": "        while len(self.in_flight) <= self.cap"},
+    ({PREFETCH_AHEAD: "            if len(self.in_flight) > self.cap:\n"},
      "Prefetcher\\(cap=0\\).*more gathers in flight than the cap"),
-    ({"        while len(self.in_flight) < self.cap": "        while False and len(self.in_flight) < self.cap"},
-     "Prefetcher\\(cap=1\\).*not started ahead in forward"),
+    ({PREFETCH_AHEAD: "            if True:\n"}, "Prefetcher\\(cap=1\\).*not started ahead in forward"),
+    (BY_INDEX, "Prefetcher\\(cap=1\\).*embedding: .*unit 0's weight in step 1's forward was gathered in step 0's "
+               "backward.*stale copy.*nothing past the end of the phase"),
+    ({**BY_INDEX, GET_OR_START: PHASE + DROPPED + GET_OR_START},
+     "Prefetcher\\(cap=1\\).*embedding: .*an all-gather started in step 1's backward \\(while unit 1 was asked "
+     "for\\) was never used by any unit, and 256 bytes of gathered weights were held after backward, through the "
+     "optimizer step: a prefetch past the end of the phase"),  # 256 bytes: the embedding's 4 x 8 float64
 ]
-
-# the bug issue 12 found in the Prefetcher the course shipped: it kept, across the optimizer step, a gather
-# prefetched in backward for a unit that asked for none (an embedding), and used it in the next forward
-STALE_PREFETCH = {"        if phase != self.phase:"
-                  "  # gathers prefetched in vain may predate the optimizer step: drop them\n"
-                  "            for full, work in self.in_flight.values():\n"
-                  "                work.wait()\n"
-                  "                fsdp.free(full)\n"
-                  "            self.in_flight, self.phase = {}, phase\n": ""}
 
 
 @pytest.mark.parametrize("replace, match", GATHER_PARAMETERS + ZERO1)
@@ -210,12 +219,6 @@ def test_wrong_fsdp_fails(replace, match):
 def test_wrong_prefetcher_fails(replace, match):
     with pytest.raises(AssertionError, match=match):
         check_prefetch(SOL.FSDPLinear, edited(replace).Prefetcher, *SIZES)
-
-
-def test_a_prefetcher_that_keeps_a_gather_across_the_optimizer_step_fails():
-    with pytest.raises(AssertionError, match="Prefetcher\\(cap=1\\).*embedding: .*unit 0's weight in step 1's forward "
-                                             "was gathered in step 0's backward.*stale copy"):
-        check_prefetch(SOL.FSDPLinear, edited(STALE_PREFETCH).Prefetcher, *SIZES)
 
 
 def test_prefetching_without_freeing_fails():

@@ -153,6 +153,8 @@ class FSDPLayer(nn.Module):
     a whole unit of memory. FSDPLinear is a Linear without bias: the notebook's units are the MLP's layers.
     """
 
+    gathers_in_backward = True  # its backward needs the whole weight (for the input's gradient)
+
     def __init__(self, FSDPLinear, weight, rank, world_size):
         super().__init__()
         self.FSDPLinear, self.shape = FSDPLinear, tuple(weight.shape)
@@ -198,7 +200,10 @@ class _ShardedEmbedding(torch.autograd.Function):
 
 
 class FSDPEmbedding(FSDPLayer):
-    """SignEmbedding, sharded: gathered in forward only (the unit a Prefetcher may prefetch in vain)."""
+    """SignEmbedding, sharded: gathered in forward only (a Prefetcher that prefetched it in backward would gather it
+    in vain)."""
+
+    gathers_in_backward = False
 
     def forward(self, x):
         return _ShardedEmbedding.apply(x, self.shard, self.gather)
@@ -218,20 +223,29 @@ def build_embedded_mlp(hidden_dim, num_layers, seed=0, dtype=torch.float64):
 def build_fsdp_mlp(FSDPLinear, all_gather_unit, rank, world_size, hidden_dim, num_layers, seed=0,
                    dtype=torch.float64, prefetcher=None, timeline=None, uses=None, embedding=False):
     """The course's MLP, sharded (with `embedding`: a SignEmbedding unit first). Unit i gathers with
-    all_gather_unit(shard, shape), or, given `prefetcher(shards, shapes)` (a Prefetcher with its cap
+    all_gather_unit(shard, shape), or, given `prefetcher(shards, shapes, order=...)` (a Prefetcher with its cap
     bound), through its get(i, phase). Each request moves `timeline` on and is noted in `uses`."""
     units = [FSDPLayer(FSDPLinear, layer_weight(hidden_dim, seed, i, dtype), rank, world_size)
              for i in range(check_int("num_layers", num_layers))]
     if embedding:
         units.insert(0, FSDPEmbedding(FSDPLinear, embedding_weight(hidden_dim, seed, dtype), rank, world_size))
     if prefetcher is not None:
-        gatherer = prefetcher([unit.shard for unit in units], [unit.shape for unit in units])
+        gatherer = prefetcher([unit.shard for unit in units], [unit.shape for unit in units],
+                              order=prefetch_order(units))
         gathers = [functools.partial(gatherer.get, i) for i in range(len(units))]
     else:
         gathers = [functools.partial(_gather_on_demand, all_gather_unit, unit) for unit in units]
     for i, (unit, gather) in enumerate(zip(units, gathers)):
         unit.gather = functools.partial(_gather_and_keep, unit, gather, i, timeline or Timeline(), uses)
     return nn.Sequential(*units)
+
+
+def prefetch_order(units):
+    """The units each phase asks for, in the order it asks: what FSDP records in its first step (FSDP2 lets you
+    set it: set_modules_to_forward_prefetch, set_modules_to_backward_prefetch). Backward goes in reverse and skips
+    a unit whose backward needs no gathered weight: a prefetch of it would never be used."""
+    return {"forward": list(range(len(units))),
+            "backward": [i for i in reversed(range(len(units))) if units[i].gathers_in_backward]}
 
 
 def _gather_on_demand(all_gather_unit, unit, phase):

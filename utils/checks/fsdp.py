@@ -165,19 +165,23 @@ def _verify_whole_gradients_dropped(label, runs, where):
 
 
 def verify_units(label, runs, want, where):
-    """Exactly `want` gathered units alive at most, in forward and in backward, each, in every step."""
+    """Exactly `want` gathered units alive at most, in forward and in backward, each, in every step (`want`: a
+    number, or one per phase)."""
     for rank, run in enumerate(runs):
         for (step, phase), got in run.units_by_phase.items():
-            if phase not in ("forward", "backward") or got == want:
+            if phase not in ("forward", "backward"):
                 continue
-            if got > want:
+            held = want[phase] if isinstance(want, dict) else want
+            if got == held:
+                continue
+            if got > held:
                 hint = ("more gathers in flight than the cap allows, or a gathered weight kept after its unit is "
                         "done with it (in ctx, a list, an attribute?): free it with fsdp.free once it is used")
             else:
-                hint = (f"the next units' all-gathers are not started ahead in {phase} (async_op=True, in the "
-                        f"direction of travel) before waiting for this unit's")
+                hint = (f"the next units' all-gathers are not started ahead in {phase} (async_op=True, the units "
+                        f"that come next in order[phase]) before waiting for this unit's")
             raise AssertionError(f"{where}: on rank {rank}, up to {got} gathered units were alive at once in step "
-                                 f"{step}'s {phase}; the schedule holds {want} (the unit in use plus {want - 1} in "
+                                 f"{step}'s {phase}; the schedule holds {held} (the unit in use plus {held - 1} in "
                                  f"flight): {hint}")
 
 
@@ -192,8 +196,8 @@ def _verify_prefetches(label, runs, where):
             if call.started_at.step != asked.step:
                 raise AssertionError(f"{what} was gathered in step {call.started_at.step}'s {call.started_at.phase}, "
                                      f"before the optimizer step changed the shards: a stale copy. Never use a "
-                                     f"gather started before the last optimizer step: when the phase changes, "
-                                     f"wait for and free the gathers still in flight")
+                                     f"gather started before the last optimizer step: prefetch only the units that "
+                                     f"come next in order[phase], nothing past the end of the phase")
             if call.started_at.tick == asked.tick:
                 continue  # gathered on demand
             if call.blocking or (call.waited_at is not None and call.waited_at.tick < asked.tick):
@@ -201,6 +205,16 @@ def _verify_prefetches(label, runs, where):
                 raise AssertionError(f"{what} was prefetched {how} (while unit {call.started_at.unit} was asked "
                                      f"for): that is no overlap. Start it with async_op=True, keep the handle, and "
                                      f"wait only when its unit is asked for")
+        used = {id(use.call) for use in run.uses}
+        in_vain = [call for call in run.calls if call.name.startswith("all_gather") and id(call) not in used]
+        if in_vain:
+            at, held = in_vain[0].started_at, run.after_backward["gathered"]
+            raise AssertionError(f"{where}: on rank {rank}, an all-gather started in step {at.step}'s {at.phase} "
+                                 f"(while unit {at.unit} was asked for) was never used by any unit"
+                                 + (f", and {held} bytes of gathered weights were held after backward, through the "
+                                    f"optimizer step" if held else "")
+                                 + ": a prefetch past the end of the phase. Prefetch only the units that come next "
+                                   "in order[phase]")
 
 
 # ---------------------------------------------------------------- running the jobs
@@ -372,14 +386,17 @@ def check_prefetch(FSDPLinear, Prefetcher, world_size, hidden_dim, num_layers, b
         label = f"Prefetcher(cap={job.cap})"
         where = f"{label} on {world_size} ranks, {MODEL_NAMES[job.model]}"
         num_units = num_layers + (job.model == "embedded")
-        if job.model == "mlp":
-            verify_calls(label, runs, num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
         _verify_prefetches(label, runs, where)
-        verify_units(label, runs, 1 + min(job.cap, num_units - 1), where)
+        # every unit gathers in forward and again in backward, but the embedding's backward needs no weight
+        verify_calls(label, runs, num_layers, {"all_gather": 2 * num_units - (job.model == "embedded"),
+                                               "reduce_scatter": num_units})
+        asked = {"forward": num_units, "backward": num_layers}  # units each phase asks for
+        alive = {phase: 1 + min(job.cap, n - 1) for phase, n in asked.items()}  # the one in use, the cap in flight
+        verify_units(label, runs, alive, where)
         _verify_gradients(label, runs, job.model, sizes, where)
         _verify_weights(label, runs, job.model, sizes, where, sharded=True)
         if job.model == "mlp":
-            units[job.cap] = 1 + min(job.cap, num_units - 1)
+            units[job.cap] = alive["forward"]
     print(f"Prefetcher: correct on {world_size} ranks for caps {', '.join(map(str, caps))}, on the MLP and behind an "
           f"embedding (a unit whose backward gathers nothing); after {num_steps} steps the gathered weights equal "
           f"the single-process run's to {TOLERANCE:g}; every prefetched gather was still in flight when its unit "
