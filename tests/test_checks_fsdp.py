@@ -87,6 +87,37 @@ def test_formulas_fp32_and_mixed_precision():
     assert formula_bytes(1000, 4, MIXED) == {"DDP": 16000, "ZeRO-1": 7000, "ZeRO-2": 5500, "FSDP": 4000}
 
 
+BAD_PARAMS = [  # what torch.optim refuses, what the course's ZeRO cannot take, what would train nothing
+    (lambda w: w, TypeError, "should be an iterable of Tensors, but got torch.DoubleTensor: a single tensor"),
+    (lambda w: 3, TypeError, "should be an iterable of Tensors, but got int"),
+    (lambda w: [w, "w"], TypeError, "can only optimize Tensors, but params\\[1\\] is str"),
+    (lambda w: [("0.weight", w)], TypeError, "params\\[0\\] is tuple \\(from named_parameters\\(\\)\\? pass"),
+    (lambda w: [{"params": [w], "lr": 0.1}], TypeError, "params\\[0\\] .* is a param group .* takes one group"),
+    (lambda w: [w, {"params": [w]}], TypeError, "params\\[1\\] .* is a param group"),
+    (lambda w: [w * 2], ValueError, "can't optimize a non-leaf Tensor"),
+    (lambda w: [w, w], ValueError, "params\\[1\\] .* is params\\[0\\] again"),
+    (lambda w: [], ValueError, "got an empty parameter list"),
+    (lambda w: iter([w.requires_grad_(False)]), ValueError, "got only frozen parameters \\(1, .* dropped"),
+]
+
+
+@pytest.mark.parametrize("name", ["Zero1AdamW", "Zero2AdamW"])
+@pytest.mark.parametrize("params, error, match", BAD_PARAMS)
+def test_zero_refuses_bad_params_naming_them(name, params, error, match):
+    """Before anything else (no process group here): with its own name, as torch.optim refuses."""
+    weight = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64))
+    with pytest.raises(error, match=match) as raised:
+        getattr(SOL, name)(params(weight), torch.optim.AdamW, lr=0.1)
+    assert name in str(raised.value)
+
+
+def test_trainable_params_drops_the_frozen_and_takes_any_iterable():
+    model = build_mlp(HIDDEN_DIM, NUM_LAYERS)
+    model.layers[0].linear.weight.requires_grad_(False)
+    kept = fsdp.trainable_params(model.parameters())
+    assert len(kept) == NUM_LAYERS - 1 and all(p is q for p, q in zip(kept, list(model.parameters())[1:]))
+
+
 # ---------------------------------------------------------------- they fail, saying why
 
 GATHER_PARAMETERS = [
@@ -110,12 +141,16 @@ ZERO1 = [
      "optimizer's state takes .* the whole weights'"),
     ({"fsdp.shard(p.grad / self.world_size,": "fsdp.shard(p.grad,"}, "2 times too large"),
     ({"            dist.all_reduce(p.grad)\n": ""}, "called 0 all-reduce\\(s\\), 3 all-gather"),
+    # the constructor the course shipped: a single Parameter's rows iterated, a dict or a number's .requires_grad
+    ({"self.params = fsdp.trainable_params(params, type(self).__name__)":
+      "self.params = [p for p in params if p.requires_grad]"},
+     "Zero1AdamW\\(one nn.Parameter, not in a list, ...\\) raised .*refuse it with a TypeError"),
     ({"            if p.grad is None:  # unused in this step, on every rank alike\n                continue\n": ""},
      "awkward model.*skip the parameters whose .grad is None"),
     ({"        self.optimizer.step()\n        gather_parameters(self.params, self.shards)\n        ### END SOLUTION\n\n"
       "    def zero_grad": "        gather_parameters(self.params, self.shards)\n        self.optimizer.step()\n"
       "        ### END SOLUTION\n\n    def zero_grad"}, "after 2 steps, rank 0's parameter 0 differs"),
-    ({"self.params = [p for p in params if p.requires_grad]": "self.params = list(params)"},
+    ({"self.params = fsdp.trainable_params(params, type(self).__name__)": "self.params = list(params)"},
      "steps 6 shards; the model has 5 parameters that require a gradient"),
 ]
 
@@ -128,6 +163,9 @@ REDUCE_SCATTER = [
 ]
 
 ZERO2 = [
+    ({"self.params = fsdp.trainable_params(params, type(self).__name__)":
+      "self.params = [p for p in params if p.requires_grad]"},
+     "Zero2AdamW\\(one nn.Parameter, not in a list, ...\\) raised .*refuse it with a TypeError"),
     ({"        shard.grad = reduce_scatter_gradient(p.grad)\n        p.grad = None\n":
       "        shard.grad = reduce_scatter_gradient(p.grad)\n"}, "still hold their whole gradient"),
     ({"step, then gather the weights.\n        ### BEGIN SOLUTION\n        self.optimizer.step()\n"

@@ -97,6 +97,44 @@ def reduce_scatter_mean(grad):
     return out / n
 
 
+# ---------------------------------------------------------------- what a ZeRO optimizer steps
+
+def trainable_params(params, owner="the optimizer"):
+    """`params` as torch.optim takes them (an iterable of tensors), as the list of those that require a gradient:
+    a frozen one never changes, so it gets no shard. Refuses, naming it, what torch.optim refuses (a single tensor,
+    something not a tensor, a non-leaf, an empty list), what the course's ZeRO cannot do (param groups: it has one
+    set of options, its keyword arguments), and what would silently train nothing (a tensor twice, all frozen)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"params argument given to {owner} should be an iterable of Tensors, but got "
+                        f"{torch.typename(params)}: a single tensor (its rows would be iterated); pass [p]")
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(f"params argument given to {owner} should be an iterable of Tensors, but got "
+                        f"{torch.typename(params)}") from None
+    seen = {}
+    for i, p in enumerate(params):
+        if isinstance(p, dict):
+            raise TypeError(f"params[{i}] given to {owner} is a param group (a dict): the course's version takes one "
+                            f"group, a list of tensors, with its options as keyword arguments (PyTorch's "
+                            f"ZeroRedundancyOptimizer takes groups)")
+        if not isinstance(p, torch.Tensor):
+            named = " (from named_parameters()? pass parameters())" if isinstance(p, tuple) else ""
+            raise TypeError(f"{owner} can only optimize Tensors, but params[{i}] is {torch.typename(p)}{named}")
+        if not p.is_leaf:
+            raise ValueError(f"{owner} can't optimize a non-leaf Tensor: params[{i}] is computed from others")
+        if id(p) in seen:
+            raise ValueError(f"params[{i}] given to {owner} is params[{seen[id(p)]}] again: give each tensor once")
+        seen[id(p)] = i
+    if not params:
+        raise ValueError(f"{owner} got an empty parameter list")
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"{owner} got only frozen parameters ({len(params)}, requires_grad=False): a frozen "
+                         f"parameter never changes, so each was dropped, and none is left to train")
+    return trainable
+
+
 # ---------------------------------------------------------------- when: the clock a run's calls are stamped with
 
 @dataclasses.dataclass(frozen=True)

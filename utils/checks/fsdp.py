@@ -8,7 +8,8 @@ optimizer state, the gradients, the gathered units alive in forward and in backw
 gathered weight's all-gather was started and waited for (utils.fsdp.Moment). ZeRO-1 and ZeRO-2 also
 train utils.model's awkward model (a bias, a frozen parameter, one without a gradient every other
 step, a float32 parameter in a float64 model, a buffer, an embedding); the prefetcher also trains an
-MLP behind an embedding-like unit, whose backward gathers nothing.
+MLP behind an embedding-like unit, whose backward gathers nothing. The ZeRO constructors must refuse bad
+`params` (a single tensor, a non-tensor, param groups, all frozen) with a TypeError or ValueError naming it.
 """
 import warnings
 
@@ -217,6 +218,31 @@ def _verify_prefetches(label, runs, where):
                                    "in order[phase]")
 
 
+def bad_params():
+    """(what, params, the error torch.optim's way demands, a word its message must have) for each input a ZeRO
+    constructor must refuse before it does anything: a silent no-op, or an AttributeError, otherwise."""
+    weight, frozen = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    return [("one nn.Parameter, not in a list", weight, TypeError, "iterable"),
+            ("a list holding a number", [weight, 3], TypeError, "int"),
+            ("param groups (dicts with their own lr)", [{"params": [weight], "lr": 0.1}], TypeError, "group"),
+            ("a list whose parameters are all frozen", [frozen], ValueError, "frozen")]
+
+
+def _verify_refuses_bad_params(label, ZeRO):
+    """Each bad `params` raises its error, in the parent process: before any process group or collective."""
+    for what, params, error, word in bad_params():
+        try:
+            ZeRO(params, torch.optim.AdamW, **fsdp.ADAMW)
+            got = "raised nothing"
+        except Exception as e:  # any other: the student's, reported
+            if isinstance(e, error) and word in str(e):
+                continue
+            got = f"raised {type(e).__name__}: {str(e).rstrip('.')}"
+        raise AssertionError(f"{label}({what}, ...) {got}; it must refuse it with a {error.__name__} that names the "
+                             f"problem, before anything else (torch.optim's way): keep the constructor's given first "
+                             f"line, self.params = fsdp.trainable_params(params, type(self).__name__)")
+
+
 # ---------------------------------------------------------------- running the jobs
 
 def _spawn_runs(jobs, student, world_size, sizes):
@@ -253,6 +279,7 @@ def _check_zero(version, student, world_size, sizes, calls_per_layer):
         if k == 0:
             _verify_weights(LABELS["zero-pytorch"], runs[jobs[-1]], "mlp", run_sizes,
                             f"{LABELS['zero-pytorch']} on {n} ranks", sharded=False)
+    _verify_refuses_bad_params(label, student.Zero1AdamW if version == "zero1" else student.Zero2AdamW)
     return configurations
 
 
