@@ -74,12 +74,18 @@ def test_a_list_all_gather_put_together_is_one_unit():
 
 DIVIDE = "            p.grad.div_(self.scale)\n"
 HALVE = "            self.scale /= 2\n            self.clean_steps = 0\n"
-GROW = ("            if self.clean_steps == self.growth_interval:\n                self.scale *= 2\n"
-        "                self.clean_steps = 0\n")
+GROW = ("            if self.clean_steps == self.growth_interval:\n"
+        "                if self.scale * 2 <= torch.finfo(torch.float32).max:  # GradScaler keeps its scale a finite "
+        "float32\n                    self.scale *= 2\n                self.clean_steps = 0\n")
+CAP = ("                if self.scale * 2 <= torch.finfo(torch.float32).max:  # GradScaler keeps its scale a finite "
+       "float32\n                    self.scale *= 2\n")
+SKIP = ("            if p.grad is None:  # frozen, or unused this step: nothing to unscale, no overflow (GradScaler "
+        "skips it)\n                continue\n")
 FINITE = "            found_inf |= not torch.isfinite(p.grad).all().item()\n"
 COPY = ("    with torch.no_grad():\n        for low, p in zip(model.parameters(), master.parameters()):\n"
         "            low.copy_(p)\n")
-GRADS = "        p.grad, low.grad = low.grad.float(), None\n"
+GRADS = ("        if low.grad is not None:  # a frozen (or unused) parameter has none\n"
+         "            p.grad, low.grad = low.grad.float(), None\n")
 UNSCALE = "found_inf = False if scaler is None else scaler.unscale_(master.parameters())"
 STEP = "    if not found_inf:\n        optimizer.step()\n"
 CAST = "        grad = p.grad.to(reduce_dtype)\n"
@@ -107,19 +113,37 @@ CATALOGUE = {
                               "must halve the scale; it stayed"),
     "keeps counting clean steps across an inf": ("scaler", {HALVE: "            self.scale /= 2\n"},
                                                  "restart the count after an inf"),
+    "grows the scale past float32's largest value": ("scaler", {CAP: "                self.scale *= 2\n"},
+                                                     r"grew past 2\*\*127, float32's largest power of two"),
+    "caps the scale at float32's max (not a power of two)": (
+        "scaler", {CAP: "                self.scale = min(2 * self.scale, torch.finfo(torch.float32).max)\n"},
+        r"expected 1.70141e\+38: the scale grew past 2\*\*127"),
+    "crashes on a parameter without a gradient": ("scaler", {SKIP: ""},
+                                                  "AttributeError.* skip a parameter whose .grad is None"),
+    "counts a parameter without a gradient as an overflow": (
+        "scaler", {SKIP: "            if p.grad is None:\n                found_inf = True\n"
+                         "                continue\n"},
+        "holds no inf: skip it, as GradScaler does, and do not count it"),
+    "found_inf recomputed per parameter (only the last decides)": (
+        "scaler", {FINITE: "            found_inf = not torch.isfinite(p.grad).all().item()\n"},
+        "found_inf=False with an inf in parameter 0 of 4, True with one in the last: found_inf is recomputed for "
+        "each parameter, so only the last one decides"),
     # mixed_precision_step
     "stale low-precision copy": ("step", {COPY: ""}, "copy the master weights into the low-precision model"),
-    "steps the bf16 copy, not the master": ("step", {GRADS: "        low.data -= 0.1 * low.grad\n"},
+    "steps the bf16 copy, not the master": ("step", {GRADS: "        if low.grad is not None:\n"
+                                                            "            low.data -= 0.1 * low.grad\n"},
                                             "master weights did not change"),
     "never unscales": ("step", {UNSCALE: "found_inf = False if scaler is None else not all(torch.isfinite(p.grad)"
                                          ".all() for p in master.parameters())"}, "unscale once"),
     "unscales twice in the step": ("step", {UNSCALE: UNSCALE + " or scaler.unscale_(master.parameters())"},
                                    "unscale once"),
     "does not skip on inf": ("step", {STEP: "    optimizer.step()\n"}, "must be skipped"),
-    "low-precision gradients never cleared": ("step", {"        p.grad, low.grad = low.grad.float(), None\n":
-                                                       "        p.grad = low.grad.float()\n"},
+    "low-precision gradients never cleared": ("step", {"            p.grad, low.grad = low.grad.float(), None\n":
+                                                       "            p.grad = low.grad.float()\n"},
                                               "fp32: step 1: .* though the updates before were right: something "
                                               "carries over .* low-precision model's .grad"),
+    "step crashes on a frozen parameter": ("step", {GRADS: "        p.grad, low.grad = low.grad.float(), None\n"},
+                                           "layer 1 frozen: .*AttributeError.* a frozen parameter .* has no gradient"),
     "never updates the scale": ("step", {"        scaler.update(found_inf)\n": "        pass\n"},
                                 "call scaler.update"),
     # average_gradients
