@@ -1,9 +1,9 @@
 """Checks for notebook 06 (mixed precision and activation recomputation).
 
-- check_loss_scaler: the scaler's unscale_ and update against the rule GradScaler follows;
+- check_loss_scaler: the scaler's unscale_ and update against torch.amp.GradScaler("cpu"), bit for bit;
 - check_mixed_precision_step: the student's step against one process applying the same casts (fp32, bf16,
-  fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), and a step whose
-  gradients hold an inf: skipped, scale halved;
+  fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), a step whose
+  gradients hold an inf (skipped, scale halved), and a frozen layer;
 - check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
 - check_mixed_precision_fsdp: notebook 05's FSDP with bf16 all-gathers and fp32 reduce-scatters, every collective
   and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy;
@@ -47,6 +47,7 @@ UNSCALE_SCALE = 8.0
 
 
 def _with_grads(grads):
+    """Parameters holding these gradients (None: a parameter without one, as a frozen layer's)."""
     params = [torch.zeros(g.shape if g is not None else (1,), requires_grad=True) for g in grads]
     for p, g in zip(params, grads):
         p.grad = None if g is None else g.clone()
