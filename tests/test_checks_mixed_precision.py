@@ -1,6 +1,9 @@
 """utils/checks/mixed_precision.py: right answers (the solution notebook's own code) pass; each wrong answer
 in the catalogue, a small edit of the real solution, fails at its own check with a hint that names the
 mistake; bad input fails before anything runs."""
+import copy
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -21,6 +24,7 @@ from utils.mixed_precision import (
     gpipe_memory_main,
     gpipe_saved_formula,
 )
+from utils.model import build_mlp, loss_fn, make_batch, make_optimizer
 from utils.notebooks import solution
 from utils.pipeline import stage_layers
 
@@ -74,12 +78,18 @@ def test_a_list_all_gather_put_together_is_one_unit():
 
 DIVIDE = "            p.grad.div_(self.scale)\n"
 HALVE = "            self.scale /= 2\n            self.clean_steps = 0\n"
-GROW = ("            if self.clean_steps == self.growth_interval:\n                self.scale *= 2\n"
-        "                self.clean_steps = 0\n")
+GROW = ("            if self.clean_steps == self.growth_interval:\n"
+        "                if self.scale * 2 <= torch.finfo(torch.float32).max:  # GradScaler keeps its scale a finite "
+        "float32\n                    self.scale *= 2\n                self.clean_steps = 0\n")
+CAP = ("                if self.scale * 2 <= torch.finfo(torch.float32).max:  # GradScaler keeps its scale a finite "
+       "float32\n                    self.scale *= 2\n")
+SKIP = ("            if p.grad is None:  # frozen, or unused this step: nothing to unscale, no overflow (GradScaler "
+        "skips it)\n                continue\n")
 FINITE = "            found_inf |= not torch.isfinite(p.grad).all().item()\n"
 COPY = ("    with torch.no_grad():\n        for low, p in zip(model.parameters(), master.parameters()):\n"
         "            low.copy_(p)\n")
-GRADS = "        p.grad, low.grad = low.grad.float(), None\n"
+GRADS = ("        if low.grad is not None:  # a frozen (or unused) parameter has none\n"
+         "            p.grad, low.grad = low.grad.float(), None\n")
 UNSCALE = "found_inf = False if scaler is None else scaler.unscale_(master.parameters())"
 STEP = "    if not found_inf:\n        optimizer.step()\n"
 CAST = "        grad = p.grad.to(reduce_dtype)\n"
@@ -107,19 +117,37 @@ CATALOGUE = {
                               "must halve the scale; it stayed"),
     "keeps counting clean steps across an inf": ("scaler", {HALVE: "            self.scale /= 2\n"},
                                                  "restart the count after an inf"),
+    "grows the scale past float32's largest value": ("scaler", {CAP: "                self.scale *= 2\n"},
+                                                     r"grew past 2\*\*127, float32's largest power of two"),
+    "caps the scale at float32's max (not a power of two)": (
+        "scaler", {CAP: "                self.scale = min(2 * self.scale, torch.finfo(torch.float32).max)\n"},
+        r"expected 1.70141e\+38: the scale grew past 2\*\*127"),
+    "crashes on a parameter without a gradient": ("scaler", {SKIP: ""},
+                                                  "AttributeError.* skip a parameter whose .grad is None"),
+    "counts a parameter without a gradient as an overflow": (
+        "scaler", {SKIP: "            if p.grad is None:\n                found_inf = True\n"
+                         "                continue\n"},
+        "holds no inf: skip it, as GradScaler does, and do not count it"),
+    "found_inf recomputed per parameter (only the last decides)": (
+        "scaler", {FINITE: "            found_inf = not torch.isfinite(p.grad).all().item()\n"},
+        "found_inf=False with an inf in parameter 0 of 4, True with one in the last: found_inf is recomputed for "
+        "each parameter, so only the last one decides"),
     # mixed_precision_step
     "stale low-precision copy": ("step", {COPY: ""}, "copy the master weights into the low-precision model"),
-    "steps the bf16 copy, not the master": ("step", {GRADS: "        low.data -= 0.1 * low.grad\n"},
+    "steps the bf16 copy, not the master": ("step", {GRADS: "        if low.grad is not None:\n"
+                                                            "            low.data -= 0.1 * low.grad\n"},
                                             "master weights did not change"),
     "never unscales": ("step", {UNSCALE: "found_inf = False if scaler is None else not all(torch.isfinite(p.grad)"
                                          ".all() for p in master.parameters())"}, "unscale once"),
     "unscales twice in the step": ("step", {UNSCALE: UNSCALE + " or scaler.unscale_(master.parameters())"},
                                    "unscale once"),
     "does not skip on inf": ("step", {STEP: "    optimizer.step()\n"}, "must be skipped"),
-    "low-precision gradients never cleared": ("step", {"        p.grad, low.grad = low.grad.float(), None\n":
-                                                       "        p.grad = low.grad.float()\n"},
+    "low-precision gradients never cleared": ("step", {"            p.grad, low.grad = low.grad.float(), None\n":
+                                                       "            p.grad = low.grad.float()\n"},
                                               "fp32: step 1: .* though the updates before were right: something "
                                               "carries over .* low-precision model's .grad"),
+    "step crashes on a frozen parameter": ("step", {GRADS: "        p.grad, low.grad = low.grad.float(), None\n"},
+                                           "layer 1 frozen: .*AttributeError.* a frozen parameter .* has no gradient"),
     "never updates the scale": ("step", {"        scaler.update(found_inf)\n": "        pass\n"},
                                 "call scaler.update"),
     # average_gradients
@@ -174,6 +202,116 @@ def test_wrong_answer_fails_with_a_hint_that_names_it(mistake):
         run_check(exercise, wrong)
 
 
+# ---------------------------------------------------------------- the scaler is GradScaler's rule, bit for bit
+
+def side_by_side(sol, dtype, init_scale, growth_interval, num_steps, frozen=None, poison=None):
+    """The notebook's scaler and step, and torch.amp.GradScaler("cpu") with the same casts, step by step: each
+    run's scales and master weights. Layer `frozen` has no gradient; poison = {step: layer}: that layer's
+    gradient is inf in that step."""
+    runs = []
+    for ours in (True, False):
+        master = build_mlp(8, 3, 0, torch.float32)
+        if frozen is not None:
+            master.layers[frozen].requires_grad_(False)
+        model = copy.deepcopy(master).to(dtype)
+        now = {}
+        for i, layer in enumerate(model.layers):
+            if layer.linear.weight.requires_grad:
+                layer.linear.weight.register_hook(lambda g, i=i: g * math.inf if now.get("poison") == i else g)
+        optimizer = make_optimizer(master.parameters(), "sgd")
+        scaler = (sol.DynamicLossScaler(init_scale, growth_interval) if ours else
+                  torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval))
+        scales, weights = [], []
+        for step in range(num_steps):
+            now["poison"] = (poison or {}).get(step)
+            batch = make_batch(6, 8, 0, step, torch.float32)
+            if ours:
+                sol.mixed_precision_step(master, model, optimizer, batch, scaler)
+            else:
+                with torch.no_grad():
+                    for low, p in zip(model.parameters(), master.parameters()):
+                        low.copy_(p)
+                scaler.scale(loss_fn(model(batch.to(dtype))).float()).backward()
+                for low, p in zip(model.parameters(), master.parameters()):
+                    if low.grad is not None:
+                        p.grad, low.grad = low.grad.float(), None
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+            scales.append(float(scaler.scale) if ours else scaler.get_scale())
+            weights.append([p.detach().clone() for p in master.parameters()])
+        runs.append((scales, weights))
+    return runs
+
+
+def test_the_scaler_grows_to_float32s_cap_as_gradscaler():
+    """From 2**124 with a clean step each time, growth every step: 2**125, 2**126, 2**127, then 2**127 stays
+    (GradScaler never makes its float32 scale inf); the weights equal GradScaler's bit for bit."""
+    (scales, weights), (want_scales, want_weights) = side_by_side(solution(NOTEBOOK), torch.bfloat16, 2.0**124, 1, 6)
+    assert scales == want_scales == [2.0**125, 2.0**126, 2.0**127, 2.0**127, 2.0**127, 2.0**127]
+    assert all(torch.equal(a, b) for got, want in zip(weights, want_weights) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("poisoned_layer", [0, 1, 2])
+def test_the_scaler_skips_a_frozen_layer_and_finds_an_overflow_anywhere_as_gradscaler(poisoned_layer):
+    """fp16 with layer 1 frozen (no gradient), an inf in the first, middle or last layer's gradient at step 3:
+    the same skipped steps, scales and weights as GradScaler, bit for bit."""
+    frozen = 1 if poisoned_layer != 1 else None  # a frozen layer gets no gradient to poison
+    (scales, weights), (want_scales, want_weights) = side_by_side(
+        solution(NOTEBOOK), torch.float16, 2.0**10, 2, 6, frozen=frozen, poison={3: poisoned_layer})
+    assert scales == want_scales and want_scales[3] == want_scales[2] / 2
+    assert all(torch.equal(a, b) for got, want in zip(weights, want_weights) for a, b in zip(got, want))
+    assert torch.equal(weights[3][poisoned_layer], weights[2][poisoned_layer])  # the inf step was skipped
+
+
+def test_the_scaler_updates_as_gradscaler_over_a_long_run():
+    """200 updates, an inf about one step in five, from 2**120 growing every 2 clean steps: the cap is met
+    and left again; every scale equals GradScaler's."""
+    generator = torch.Generator().manual_seed(0)
+    found_infs = (torch.rand(200, generator=generator) < 0.2).tolist()
+    sol = solution(NOTEBOOK)
+    scaler = sol.DynamicLossScaler(2.0**120, 2)
+    reference = torch.amp.GradScaler("cpu", init_scale=2.0**120, growth_interval=2)
+    p = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([p])
+    scales = []
+    for found_inf in found_infs:
+        scaler.update(found_inf)
+        reference.scale(torch.ones(()))
+        p.grad = torch.full((1,), math.inf if found_inf else 1.0)
+        reference.unscale_(optimizer)
+        reference.update()
+        assert float(scaler.scale) == reference.get_scale()
+        scales.append(reference.get_scale())
+    assert max(scales) == 2.0**127 and min(scales) < 2.0**120  # the cap was met, and left again
+
+
+# right answers written another way: each passes both checks
+OTHER_SCALERS = {
+    "any(...) over the parameters": {
+        "        found_inf = False\n        for p in params:\n" + SKIP + DIVIDE + FINITE + "        return found_inf\n":
+        "        params = [p for p in params if p.grad is not None]\n        for p in params:\n" + DIVIDE +
+        "        return any(not torch.isfinite(p.grad).all() for p in params)\n"},
+    "isfinite of each gradient's sum": {
+        FINITE: "            found_inf = found_inf or not torch.isfinite(p.grad.sum())\n"},
+    "torch._amp_foreach_non_finite_check_and_unscale_": {
+        "        found_inf = False\n        for p in params:\n" + SKIP + DIVIDE + FINITE + "        return found_inf\n":
+        "        grads = [p.grad for p in params if p.grad is not None]\n        found_inf = torch.zeros(())\n"
+        "        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.tensor(1 / self.scale))\n"
+        "        return bool(found_inf)\n"},
+    "the cap as float32 would see it": {CAP: "                if torch.tensor(self.scale * 2).isfinite():\n"
+                                             "                    self.scale *= 2\n"},
+}
+
+
+@pytest.mark.parametrize("way", OTHER_SCALERS)
+def test_a_scaler_written_another_way_passes(way, capsys):
+    sol = solution(NOTEBOOK, replace=OTHER_SCALERS[way])
+    run_check("scaler", sol)
+    run_check("step", sol)
+    assert capsys.readouterr().out.count("correct") == 2
+
+
 # ---------------------------------------------------------------- bad input, before anything runs
 
 def test_bad_input_is_refused_with_a_named_error():
@@ -191,6 +329,9 @@ def test_bad_input_is_refused_with_a_named_error():
         sol.recompute(nn.GELU(), torch.ones(2, 2))
     with pytest.raises(ValueError, match="no parameters"):
         check_recomputable(nn.Linear(2, 2).requires_grad_(False))
+    for scale in (1000.0, 0.1, 3 * 2.0**10, 2.0**128, 2.0**-127):
+        with pytest.raises(ValueError, match="must be a power of two from 2\\*\\*-126 to 2\\*\\*127"):
+            sol.DynamicLossScaler(scale)
     with pytest.raises(TypeError, match="growth_interval must be an int"):
         sol.DynamicLossScaler(8.0, 2.5)
     with pytest.raises(ValueError, match="not divisible by world size 4"):

@@ -44,11 +44,17 @@ def check_dtype(name, dtype, allowed=DTYPES):
 
 
 def check_loss_scale(name, value):
-    """A loss scale is a finite number above 0 (a power of two keeps scaling exact)."""
+    """A loss scale is a power of two in float32's normal range: float32 holds it exactly (GradScaler keeps its
+    scale in float32), and dividing a gradient by it is exact, so equal to GradScaler's multiplying by 1/scale."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number above 0, got {value}")
+    if math.frexp(value)[0] != 0.5 or not 2.0**-126 <= value <= 2.0**127:
+        raise ValueError(f"{name} must be a power of two from 2**-126 to 2**127, got {value}: float32, which "
+                         f"GradScaler keeps its scale in, holds those exactly, and dividing a gradient by one is "
+                         f"exact, so equal to GradScaler's multiplying by 1/scale (by 1000, say, they differ in the "
+                         f"last bit)")
     return float(value)
 
 

@@ -1,9 +1,9 @@
 """Checks for notebook 06 (mixed precision and activation recomputation).
 
-- check_loss_scaler: the scaler's unscale_ and update against the rule GradScaler follows;
+- check_loss_scaler: the scaler's unscale_ and update against torch.amp.GradScaler("cpu"), bit for bit;
 - check_mixed_precision_step: the student's step against one process applying the same casts (fp32, bf16,
-  fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), and a step whose
-  gradients hold an inf: skipped, scale halved;
+  fp16 with the scaler), against torch.autocast with torch.amp.GradScaler("cpu"), a step whose
+  gradients hold an inf (skipped, scale halved), and a frozen layer;
 - check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
 - check_mixed_precision_fsdp: notebook 05's FSDP with bf16 all-gathers and fp32 reduce-scatters, every collective
   and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy;
@@ -41,27 +41,56 @@ GROWTH_INTERVAL = 3  # the checks' scaler grows after 3 clean steps, so a few st
 
 # ---------------------------------------------------------------- the loss scaler
 
-def _expected_scales(init_scale, growth_interval, found_infs):
-    """GradScaler's rule: halve on inf (and restart the count), double after growth_interval clean steps."""
-    scale, clean, scales = init_scale, 0, []
+FLOAT32_MAX = torch.finfo(torch.float32).max  # GradScaler never grows its scale (a float32) past it: 2**127 stays
+GRADS = [torch.tensor([8.0, -4.0]), None, torch.tensor([2.0]), torch.tensor([6.0, 1.0, -2.0])]  # None: frozen
+UNSCALE_SCALE = 8.0
+
+
+def _with_grads(grads):
+    """Parameters holding these gradients (None: a parameter without one, as a frozen layer's)."""
+    params = [torch.zeros(g.shape if g is not None else (1,), requires_grad=True) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+    return params
+
+
+def _gradscaler_unscale(grads, scale):
+    """torch.amp.GradScaler("cpu")'s unscale_ of these gradients: the gradients after it, and whether it found an
+    inf or a NaN (its update halved the scale)."""
+    params = _with_grads(grads)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))  # creates its scale tensor
+    scaler.unscale_(torch.optim.SGD(params))
+    scaler.update()
+    return [p.grad for p in params], scaler.get_scale() < scale
+
+
+def _gradscaler_scales(init_scale, growth_interval, found_infs):
+    """The scale after each of torch.amp.GradScaler("cpu")'s updates, given which steps found an inf."""
+    params = _with_grads([None])
+    optimizer = torch.optim.SGD(params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    scales = []
     for found_inf in found_infs:
-        if found_inf:
-            scale, clean = scale / 2, 0
-        else:
-            clean += 1
-            if clean == growth_interval:
-                scale, clean = scale * 2, 0
-        scales.append(scale)
+        scaler.scale(torch.ones(()))
+        params[0].grad = torch.full((1,), float("inf") if found_inf else 1.0)
+        scaler.unscale_(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
     return scales
 
 
-def _scale_hint(got, want, found_infs):
+def _scale_hint(got, want, found_infs, init_scale):
     step = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
-    before = 8.0 if step == 0 else want[step - 1]
+    before = init_scale if step == 0 else want[step - 1]
     if found_infs[step] and got[step] == before:
         why = "an inf/NaN step must halve the scale; it stayed"
     elif found_infs[step]:
         why = f"an inf/NaN step must halve the scale (to {want[step]:g}), got {got[step]:g}"
+    elif want[step] * 2 > FLOAT32_MAX and got[step] > want[step]:
+        why = (f"the scale grew past 2**127, float32's largest power of two: GradScaler keeps its scale a finite "
+               f"float32, so when the doubled scale would be past float32's largest value ({FLOAT32_MAX:g}) it keeps "
+               f"the scale as it is (and restarts the count)")
     elif got[step] > want[step]:
         why = (f"the scale grew before {GROWTH_INTERVAL} clean steps in a row: grow only after growth_interval "
                f"clean steps, and restart the count after an inf and after growing")
@@ -70,33 +99,86 @@ def _scale_hint(got, want, found_infs):
     return f"after update #{step} (found_inf={found_infs[step]}): scale {got[step]:g}, expected {want[step]:g}: {why}"
 
 
-def check_loss_scaler(DynamicLossScaler):
-    """unscale_ divides each gradient once and reports inf/NaN; update follows GradScaler's rule."""
-    grads = [torch.tensor([8.0, -4.0]), torch.tensor([2.0])]
-    for case, poison, want_inf in [("finite", None, False), ("inf", float("inf"), True), ("NaN", float("nan"), True)]:
-        params = [torch.zeros_like(g, requires_grad=True) for g in grads]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        if poison is not None:
-            params[1].grad[0] = poison
-        found_inf = DynamicLossScaler(8.0, GROWTH_INTERVAL).unscale_(params)
-        assert bool(found_inf) == want_inf, (
-            f"DynamicLossScaler.unscale_ returned found_inf={found_inf} for gradients that are {case}: return True "
-            f"exactly when some gradient holds an inf or a NaN (after unscaling)")
-        if poison is None:
-            got = [p.grad for p in params]
-            ratio = got[0][0].item() / (grads[0][0].item() / 8)
-            assert all(torch.equal(a, b / 8) for a, b in zip(got, grads)), (
-                f"DynamicLossScaler.unscale_: gradients are {ratio:g} x (gradient / scale): divide each gradient "
-                f"by the scale exactly once, in place")
-    found_infs = [False, False, True, False, False, False, False, False, False, True, True, False]
-    scaler = DynamicLossScaler(8.0, GROWTH_INTERVAL)
+def _student_unscale(DynamicLossScaler, grads):
+    params = _with_grads(grads)
+    found_inf = DynamicLossScaler(UNSCALE_SCALE, GROWTH_INTERVAL).unscale_(params)
+    return [p.grad for p in params], bool(found_inf)
+
+
+def _check_unscaled(got, want, case):
+    for i, (g, w) in enumerate(zip(got, want)):
+        if (g is None) != (w is None):
+            raise AssertionError(f"DynamicLossScaler.unscale_ ({case}): parameter {i}'s gradient is {g!r} after "
+                                 f"unscaling, GradScaler's {w!r}: leave a parameter without a gradient as it is")
+        if w is not None and not torch.equal(g, w):
+            ratio = (g.flatten()[0] / w.flatten()[0]).item()
+            raise AssertionError(f"DynamicLossScaler.unscale_ ({case}): parameter {i}'s gradient is {ratio:g} x "
+                                 f"(gradient / scale): divide each gradient by the scale exactly once, in place")
+
+
+def _check_unscale(DynamicLossScaler):
+    full = [g if g is not None else torch.tensor([5.0]) for g in GRADS]
+    got, found_inf = _student_unscale(DynamicLossScaler, full)
+    want, _ = _gradscaler_unscale(full, UNSCALE_SCALE)
+    _check_unscaled(got, want, "finite gradients")
+    assert not found_inf, ("DynamicLossScaler.unscale_ returned found_inf=True for finite gradients: return True "
+                           "exactly when some gradient holds an inf or a NaN (after unscaling)")
+    frozen = f"parameter {GRADS.index(None)} without a gradient (frozen, or unused this step: its .grad is None)"
+    try:
+        got, found_inf = _student_unscale(DynamicLossScaler, GRADS)
+    except (AttributeError, TypeError) as e:  # it ran without the None: the None is what it fails on
+        raise AssertionError(f"DynamicLossScaler.unscale_ raised {type(e).__name__}: {e}, with a {frozen}: skip a "
+                             f"parameter whose .grad is None, as GradScaler does") from e
+    want, _ = _gradscaler_unscale(GRADS, UNSCALE_SCALE)
+    _check_unscaled(got, want, f"finite gradients and a {frozen}")
+    assert not found_inf, (f"DynamicLossScaler.unscale_ returned found_inf=True for finite gradients and a {frozen}: "
+                           f"a parameter without a gradient holds no inf: skip it, as GradScaler does, and do not "
+                           f"count it as an overflow")
+    where = [i for i, g in enumerate(GRADS) if g is not None]  # the first, a middle and the last parameter
+    found = {}
+    for kind in ("inf", "NaN"):
+        for i in where:
+            poisoned = [None if g is None else g.clone() for g in GRADS]
+            poisoned[i][0] = float(kind.lower())
+            found[kind, i] = _student_unscale(DynamicLossScaler, poisoned)[1]
+            assert _gradscaler_unscale(poisoned, UNSCALE_SCALE)[1], f"GradScaler missed an {kind} in parameter {i}"
+    missed = [(kind, i) for (kind, i), f in found.items() if not f]
+    if not missed:
+        return
+    if all(found["inf", i] for i in where):
+        raise AssertionError("DynamicLossScaler.unscale_ returned found_inf=False for gradients that are NaN: return "
+                             "True exactly when some gradient holds an inf or a NaN (after unscaling)")
+    last = where[-1]
+    if all(found[kind, last] for kind in ("inf", "NaN")):
+        kind, i = missed[0]
+        raise AssertionError(f"DynamicLossScaler.unscale_ returned found_inf=False with an {kind} in parameter {i} of "
+                             f"{len(GRADS)}, True with one in the last: found_inf is recomputed for each parameter, so "
+                             f"only the last one decides; a finite gradient after an inf must not reset it: combine "
+                             f"over every parameter (found_inf |= ..., or any(...))")
+    kind, i = missed[0]
+    raise AssertionError(f"DynamicLossScaler.unscale_ returned found_inf=False with an {kind} in parameter {i} of "
+                         f"{len(GRADS)}: return True exactly when some gradient holds an inf or a NaN")
+
+
+def _check_update(DynamicLossScaler, init_scale, found_infs):
+    scaler = DynamicLossScaler(init_scale, GROWTH_INTERVAL)
     got = []
     for found_inf in found_infs:
         scaler.update(found_inf)
         got.append(float(scaler.scale))
-    want = _expected_scales(8.0, GROWTH_INTERVAL, found_infs)
-    assert got == want, "DynamicLossScaler.update: " + _scale_hint(got, want, found_infs)
+    want = _gradscaler_scales(init_scale, GROWTH_INTERVAL, found_infs)
+    assert got == want, "DynamicLossScaler.update: " + _scale_hint(got, want, found_infs, init_scale)
+    return got
+
+
+def check_loss_scaler(DynamicLossScaler):
+    """unscale_ and update against torch.amp.GradScaler("cpu"), bit for bit: each gradient divided once, a
+    parameter without a gradient skipped, an inf or NaN found in any parameter; the scale halved, grown, and
+    kept at 2**127 (float32's largest power of two) as GradScaler keeps it."""
+    _check_unscale(DynamicLossScaler)
+    found_infs = [False, False, True, False, False, False, False, False, False, True, True, False]
+    got = _check_update(DynamicLossScaler, 8.0, found_infs)
+    _check_update(DynamicLossScaler, 2.0**125, [False] * 9 + [True] + [False] * 3)  # grows to 2**127 and stays
     print(f"DynamicLossScaler: correct; unscale_ divides once and finds inf and NaN; scales over "
           f"{len(found_infs)} updates: {' '.join(f'{s:g}' for s in got)}")
 
@@ -126,8 +208,16 @@ def _same(a, b):
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _run_student(step_fn, scaler, dtype, sizes, poison_step=None):
+def _master(sizes, frozen):
+    """The fp32 model the optimizer steps; layer `frozen` (if not None) has no gradient."""
     master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    if frozen is not None:
+        master.layers[frozen].requires_grad_(False)
+    return master
+
+
+def _run_student(step_fn, scaler, dtype, sizes, poison_step=None, frozen=None):
+    master = _master(sizes, frozen)
     model = copy.deepcopy(master).to(dtype)
     optimizer = make_optimizer(master.parameters(), "sgd")
     run = Run([detached_parameters(master)], [], [], [], [])
@@ -143,9 +233,9 @@ def _run_student(step_fn, scaler, dtype, sizes, poison_step=None):
     return run
 
 
-def _run_reference(dtype, sizes, init_scale, poison_step=None, autocast=False):
+def _run_reference(dtype, sizes, init_scale, poison_step=None, frozen=None, autocast=False):
     """One process, the same casts (or torch.autocast + GradScaler): the run the student's must equal."""
-    master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
+    master = _master(sizes, frozen)
     model = copy.deepcopy(master).to(dtype)
     optimizer = make_optimizer(master.parameters(), "sgd")
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL,
@@ -163,7 +253,8 @@ def _run_reference(dtype, sizes, init_scale, poison_step=None, autocast=False):
             loss = loss_fn(model(batch.to(dtype)))
             scaler.scale(loss.float()).backward()
             for low, p in zip(model.parameters(), master.parameters()):
-                p.grad, low.grad = low.grad.float(), None
+                if low.grad is not None:
+                    p.grad, low.grad = low.grad.float(), None
         scaler.step(optimizer)  # unscales (x 1/scale, exact for powers of two), skips on inf/NaN
         scaler.update()
         optimizer.zero_grad()
@@ -229,20 +320,32 @@ def check_mixed_precision_step(DynamicLossScaler, mixed_precision_step, hidden_d
 
 def _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes):
     poison = sizes.num_steps // 2
-    cases = [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.bfloat16, None, poison),
-             (torch.float16, 2.0**16, None), (torch.float16, 2.0**10, poison)]
-    for dtype, init_scale, poison_step in cases:
+    cases = [(torch.float32, None, None, None), (torch.bfloat16, None, None, None),
+             (torch.bfloat16, None, poison, None), (torch.float16, 2.0**16, None, None),
+             (torch.float16, 2.0**10, poison, None)]
+    if sizes.num_layers > 1:  # a layer without gradients, the others with: GradScaler skips it
+        cases.append((torch.float16, 2.0**16, None, sizes.num_layers // 2))
+    for dtype, init_scale, poison_step, frozen in cases:
         label = f"{SHORT[dtype]}{'' if init_scale is None else f' with a scaler from {init_scale:g}'}"
         label += "" if poison_step is None else f", an inf in step {poison_step}'s batch"
+        label += "" if frozen is None else f", layer {frozen} frozen"
         scaler = None if init_scale is None else DynamicLossScaler(init_scale, GROWTH_INTERVAL)
-        got = _run_student(mixed_precision_step, scaler, dtype, sizes, poison_step)
+        try:
+            got = _run_student(mixed_precision_step, scaler, dtype, sizes, poison_step, frozen)
+        except (AttributeError, TypeError) as e:
+            if frozen is None:  # the earlier cases ran: only here is a .grad None
+                raise
+            raise AssertionError(f"{label}: mixed_precision_step raised {type(e).__name__}: {e}: a frozen parameter "
+                                 f"(or one unused this step) has no gradient, its .grad is None: skip it when "
+                                 f"moving gradients to the master weights and when unscaling, as GradScaler "
+                                 f"does") from e
         tolerance = 0.0 if dtype == torch.float32 else LOW_PRECISION_TOLERANCE
         if poison_step is None or init_scale is not None:
-            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step), label, tolerance)
+            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step, frozen), label, tolerance)
         else:  # no scaler: nothing may skip; the weights turn NaN as in the reference
             assert got.stepped == [True] * sizes.num_steps, f"{label}: without a scaler, every step steps"
         if dtype != torch.float32 and (init_scale is not None or poison_step is None):  # autocast: low dtypes only
-            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step, autocast=True),
+            _compare(got, _run_reference(dtype, sizes, init_scale, poison_step, frozen, autocast=True),
                      label + " vs torch.autocast + GradScaler", tolerance)
 
 
