@@ -511,6 +511,22 @@ def test_rank_that_skips_a_collective(tmp_path):
     assert _still_alive(_read_pids(tmp_path, 3, wait=0)) == []
 
 
+def one_more_all_reduce_on_rank_one(rank, world_size):
+    for _ in range(1 + (rank == 1)):  # a parameter with a gradient on rank 1 only
+        dist.all_reduce(torch.ones(3))
+
+
+def test_ranks_that_make_different_collective_calls_get_an_error_that_says_so():
+    """Rank 1 all-reduces once more than the others, which return: gloo says 'Connection reset by peer'; the
+    error says that the ranks made different calls, and the usual causes."""
+    message = ("rank 1 of 3 failed: it was in a collective when ranks? [02, ]+ had already returned from fn "
+               ".*Connection (reset|closed) by peer.*different collective calls.*a parameter with a gradient on "
+               "some ranks only")
+    with pytest.raises(RankError, match=message) as info:
+        spawn(one_more_all_reduce_on_rank_one, 3, timeout=20)
+    assert "Traceback from rank 1" in str(info.value)  # gloo's own words are in the traceback
+
+
 # ---------------------------------------------------------------- 7. no process outlives a call
 
 def test_no_process_left_after_success():

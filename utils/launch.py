@@ -85,6 +85,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 BACKENDS = ("gloo", "nccl")
 STARTUP_SECONDS = 60.0  # to start the ranks and join the group; `timeout` counts from there
 FRAME = re.compile(r'File "(.*)", line (\d+) in (.*)')  # a frame in a faulthandler dump
+PEER_LEFT = re.compile(r"Connection (reset|closed) by peer")  # gloo, when the other end of a pair has exited
 
 
 class RankError(RuntimeError):
@@ -448,7 +449,21 @@ def _first_failure(procs, rundir, killed):
     if not isinstance(details, str):
         details = "".join(details.format())
     details = details.replace("Traceback (most recent", f"Traceback from rank {rank} (most recent", 1)
+    returned = [r for r in range(len(procs)) if _read_report(rundir, r)[0] == "ok"]
+    if PEER_LEFT.search(summary) and returned:
+        summary = _peer_left_message(rank, returned, summary)
     return RankError(rank, len(procs), summary, details.rstrip())
+
+
+def _peer_left_message(rank, returned, summary):
+    """gloo's words when a rank calls a collective that a peer, already gone, never made; said in the course's."""
+    names = ", ".join(map(str, returned))
+    return (f"it was in a collective when rank{'s' if len(returned) > 1 else ''} {names} had already returned from "
+            f"fn (gloo: {PEER_LEFT.search(summary)[0]}). The ranks made different collective calls: gloo pairs "
+            f"each rank's calls by their order, not by name or size, so the calls before this one may have been "
+            f"paired wrongly too. Look for a collective that only some ranks make: a parameter with a gradient on "
+            f"some ranks only (a branch on the data, an expert that no token reached), a loop whose length "
+            f"depends on the rank")
 
 
 # ---------------------------------------------------------------- output
