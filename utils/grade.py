@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from utils import submission
@@ -57,7 +58,9 @@ def read_notebook(path):
     except json.JSONDecodeError as e:
         return f"not a notebook: invalid JSON ({e})"
     try:
-        return nbformat.reads(json.dumps(data), as_version=4)
+        with warnings.catch_warnings():  # a cell without an id, say: the student's file, not the grader's problem
+            warnings.simplefilter("ignore")
+            return nbformat.reads(json.dumps(data), as_version=4)
     except Exception as e:  # nbformat's own errors: not a notebook, or a version it does not know
         return f"not a notebook: {str(e).splitlines()[0]}"
 

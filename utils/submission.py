@@ -19,6 +19,7 @@ import functools
 
 from utils.notebooks import ROOT, SKIP_IN_SCRIPT, TIMING, read, split_solutions, student_notebook
 
+SKIPPED = {TIMING, SKIP_IN_SCRIPT}  # cells a graded run leaves out
 MATCH = 0.5  # the share of a course cell's (or notebook's) lines a submission must have to be its copy
 
 
@@ -57,7 +58,7 @@ def exercises_of(solution):
     for k, i in enumerate(at):
         end = at[k + 1] if k + 1 < len(at) else len(solution.cells)
         checks = [j for j in range(i + 1, end)
-                  if is_code(solution.cells[j]) and TIMING not in solution.cells[j].metadata.get("tags", [])]
+                  if is_code(solution.cells[j]) and not SKIPPED & set(solution.cells[j].metadata.get("tags", []))]
         stubs = [stub for stub, _ in split_solutions(solution.cells[i].source)[1]]
         names = dict.fromkeys(stub.split('NotImplementedError("')[1].split(":")[0].split(".")[0] for stub in stubs)
         points = next((solution.cells[j].metadata["nbgrader"]["points"] for j in [i, *checks]
@@ -247,7 +248,7 @@ def graded_notebook(assignment, answers, params=None):
     cells = []
     from nbformat.v4 import new_code_cell
     for i, cell in enumerate(nb.cells):
-        if not is_code(cell) or {TIMING, SKIP_IN_SCRIPT} & set(cell.metadata.get("tags", [])):
+        if not is_code(cell) or SKIPPED & set(cell.metadata.get("tags", [])):
             continue  # as in the torchrun script, without the timing cells: nothing else depends on them
         cell.outputs, cell.execution_count = [], None
         if "parameters" in cell.metadata.get("tags", []) and params:
