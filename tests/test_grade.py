@@ -13,7 +13,6 @@ from test_checks_setup import MISTAKES
 
 from utils import grade
 from utils.notebooks import BEGIN, END, ROOT
-from utils.sandbox import kill_session
 
 TIMEOUT = 12  # seconds per submission: the loops and hangs below end here
 
@@ -135,21 +134,22 @@ def test_answers_are_graded_by_the_instructors_checks(tmp_path, monkeypatch):
     assert not left
 
 
-def test_loops_hangs_and_killed_kernels_are_stopped_and_leave_nothing_behind(tmp_path, monkeypatch):
+def test_loops_hangs_killed_kernels_and_memory_hogs_are_stopped_and_leave_nothing_behind(tmp_path, monkeypatch):
     divide = "    tensor /= dist.get_world_size()\n"
     write_class(tmp_path / "submitted", {
         "dave": ("00_setup.ipynb", handed_in("00_setup", replace={divide: divide + "    while True:\n        pass\n"})),
         "erin": ("00_setup.ipynb", handed_in("00_setup", replace={
             divide: divide + "    if dist.get_rank() == 0:\n        dist.barrier()\n    time.sleep(600)\n"})),
         "frank": ("00_setup.ipynb", handed_in("00_setup", replace={divide: divide + "\nos.kill(os.getpid(), 9)\n"})),
+        "peggy": ("00_setup.ipynb", handed_in("00_setup", replace={
+            divide: divide + "\nhog = [torch.ones(2**27) for _ in range(100)]\n"})),  # 512 MB each
     })
-    rows, seconds, left = run_grader(tmp_path, monkeypatch, "--timeout", str(TIMEOUT))
+    rows, seconds, left = run_grader(tmp_path, monkeypatch, "--timeout", str(TIMEOUT), "--memory", "1.5")
     assert only(rows["dave"])[0] == "timed out" and only(rows["erin"])[0] == "timed out"
     assert only(rows["frank"]) == ("error", "the kernel died")
+    assert only(rows["peggy"]) == ("error", "over the memory limit of 1.5 GB")
     assert seconds < 2 * TIMEOUT + 60, f"{seconds:.0f} s"
     assert not left, f"left behind: {left}"
-    for pid in left:
-        kill_session(pid)
 
 
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
@@ -164,14 +164,13 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
 def test_a_class_of_05_with_hidden_parameters(tmp_path, monkeypatch):
     """The multi-process-heavy notebook: right answers pass at both world sizes; a wrong one fails with its hint;
     an answer right only at the notebook's world size fails at the hidden one; the shipped copy is not attempted."""
-    scatter = "    dist.reduce_scatter_single(shard, flat)\n    return shard / world_size\n"
+    rs = "    dist.reduce_scatter_single(shard, flat)\n"
+    scatter = rs + "    return shard / world_size\n"
     write_class(tmp_path / "submitted", {
         "alice": ("05_fsdp.ipynb", handed_in("05_fsdp")),
         "bob": ("05_fsdp.ipynb", (ROOT / "notebooks" / "05_fsdp.ipynb").read_text()),
-        "carol": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: "    dist.reduce_scatter_single(shard, flat)\n"
-                                                                          "    return shard\n"})),
-        "dan": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: "    dist.reduce_scatter_single(shard, flat)\n"
-                                                                        "    return shard / 4\n"})),
+        "carol": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: rs + "    return shard\n"})),
+        "dan": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: rs + "    return shard / 4\n"})),
     })
     rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600", "--params", "WORLD_SIZE = 3")
     assert {r["verdict"] for r in rows["alice"]} == {"passed"}, rows["alice"]

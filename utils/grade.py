@@ -235,7 +235,7 @@ def main(argv=None):
 
     timeouts = {}
     if args.timeout is None:  # the solution of each notebook graded, once, for its time limit
-        for student, path in todo:
+        for _, path in todo:
             nb = read_notebook(path)
             a = None if isinstance(nb, str) else submission.identify(nb)
             if a and a.name not in timeouts:

@@ -10,8 +10,8 @@ process that forks without end forks between two signals). Whatever happens, the
 
 Why not resource.setrlimit(RLIMIT_AS) in the kernel: torch reserves address space far beyond what it touches
 (a rank maps gigabytes it never uses), so a limit on address space that torch survives does not bound memory.
-Resident memory is what exhausts a machine: summed over the session every WATCH_SECONDS, it overshoots the limit
-by at most what a process allocates in that time.
+Resident memory is what exhausts a machine: summed over the session every WATCH_SECONDS (proportional set sizes,
+so that pages forked ranks share count once), it overshoots the limit by at most what is allocated in that time.
 """
 import os
 import signal
@@ -23,7 +23,6 @@ import time
 from utils.notebooks import ROOT, retry_kernel_start
 
 WATCH_SECONDS = 0.2
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def session_processes(sid):
@@ -44,12 +43,13 @@ def session_processes(sid):
 
 
 def resident_bytes(pids):
+    """The memory the processes hold, each shared page counted once (their Pss: forked ranks share most of torch)."""
     total = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * PAGE
-        except OSError:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+        except (OSError, StopIteration):  # gone meanwhile
             pass
     return total
 
