@@ -235,8 +235,8 @@ GUARD = "print(sorted(k for k, v in _grade_watched().items() if k in _grade_befo
 
 def graded_notebook(assignment, answers, params=None):
     """The solution notebook with each exercise's answer, without outputs, timing cells or error demos; `params`
-    appended to its parameters cell. Around the exercises, the grader's guard: what the course's library and the notebook
-    imported, noted before the first exercise, and after each exercise's checks the names of what changed since.
+    appended to its parameters cell. Around the exercises, the grader's guard: what the course's library and the
+    notebook imported, noted before the first exercise, and after each exercise's checks the names of what changed.
     Each cell's metadata["grade"] says which exercise it belongs to and its role: answer, check or guard."""
     nb = copy.deepcopy(assignment.solution)
     role = {}
