@@ -14,7 +14,7 @@ from test_checks_setup import MISTAKES
 from utils import grade
 from utils.notebooks import BEGIN, END, ROOT
 
-TIMEOUT = 12  # seconds per submission: the loops and hangs below end here
+TIMEOUT = 20  # seconds per submission: the loops and hangs below end here
 
 
 def handed_in(name, replace=None, edit=None):
