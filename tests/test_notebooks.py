@@ -176,12 +176,7 @@ def test_a_kernel_that_dies_at_its_start_is_started_again_and_nothing_else_is_re
 
 def errors(nb):
     """(cell index, 'Name: message') of the cells that failed, except those meant to fail."""
-    found = []
-    for i, cell in enumerate(nb.cells):
-        outputs = [o for o in cell.get("outputs", []) if o.output_type == "error"]
-        if outputs and "raises-exception" not in cell.metadata.get("tags", []):
-            found.append((i, f"{outputs[0].ename}: {outputs[0].evalue}"))
-    return found
+    return [(i, f"{e.ename}: {e.evalue}") for i, cell in enumerate(nb.cells) if (e := notebooks.first_error(cell))]
 
 
 @pytest.mark.parametrize("name", NAMES)

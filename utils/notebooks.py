@@ -7,6 +7,7 @@
 
     solution("02_data_parallel").average_gradients       the solution's own code, for the tests
     retry_kernel_start(start)                            a kernel start that lost its port race, tried again
+    first_error(cell)                                    an executed cell's error, unless it fails on purpose
 
 In a solution, an exercise's answer sits between `### BEGIN SOLUTION` and `### END SOLUTION`
 (nbgrader's markers). The student copy replaces each region by `raise NotImplementedError(...)`
@@ -31,10 +32,12 @@ SKIP_IN_SCRIPT = "raises-exception"
 TIMING = "nbval-ignore-output"  # the timing cells (their outputs differ run to run)
 
 
-def strip_solutions(source, where="cell"):
-    """Replace each solution region of a cell's source by a NotImplementedError naming the function (or
-    method, or nested function) the region sits in."""
-    lines, inside, scopes = [], False, []  # scopes: (indentation, name) of the defs and classes above
+def split_solutions(source, where="cell"):
+    """A cell's source cut at its solution regions: (outside, regions), where outside[k] are the lines before
+    region k (outside[-1] those after the last) and regions[k] is (the student copy's stub line, the answer's
+    lines between the markers). The stub is a NotImplementedError naming the function (or method, or nested
+    function) the region sits in."""
+    outside, regions, inside, scopes = [[]], [], False, []  # scopes: (indentation, name) of the defs and classes above
     for line in source.splitlines():
         marker = line.strip()
         if marker.startswith(BEGIN):
@@ -43,18 +46,35 @@ def strip_solutions(source, where="cell"):
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
             exercise = ".".join(name for depth, name in scopes if depth < len(indent)) or "exercise"
-            lines.append(f'{indent}raise NotImplementedError("{exercise}: your code goes here")')
+            regions.append((f'{indent}raise NotImplementedError("{exercise}: your code goes here")', []))
         elif marker.startswith(END):
             if not inside:
                 raise ValueError(f"{where}: '{END}' without '{BEGIN}'")
             inside = False
-        elif not inside:
-            lines.append(line)
+            outside.append([])
+        elif inside:
+            regions[-1][1].append(line)
+        else:
+            outside[-1].append(line)
             if m := DEF.match(line):
                 scopes = [(depth, name) for depth, name in scopes if depth < len(m[1])] + [(len(m[1]), m[2])]
     if inside:
         raise ValueError(f"{where}: '{BEGIN}' is never closed by '{END}'")
+    return outside, regions
+
+
+def join_regions(outside, answers):
+    """The inverse of split_solutions: the lines outside, with answers[k] (a list of lines) in region k."""
+    lines = list(outside[0])
+    for answer, after in zip(answers, outside[1:]):
+        lines += answer + after
     return "\n".join(lines)
+
+
+def strip_solutions(source, where="cell"):
+    """Replace each solution region of a cell's source by a NotImplementedError naming the function it sits in."""
+    outside, regions = split_solutions(source, where)
+    return join_regions(outside, [[stub] for stub, _ in regions])
 
 
 def student_notebook(solution, name="notebook"):
@@ -118,6 +138,14 @@ def script(nb, source_name, timing=True):
             raise ValueError(f"{source_name}, cell {i}: IPython magics do not run as a script")
         parts.append(f"# %% cell {i}\n{cell.source}\n")
     return "\n".join(parts)
+
+
+def first_error(cell):
+    """A code cell's first error output (its ename, evalue, traceback), or None: None too for a cell tagged
+    raises-exception (it fails on purpose)."""
+    if SKIP_IN_SCRIPT in cell.metadata.get("tags", []):
+        return None
+    return next((o for o in cell.get("outputs", []) if o.output_type == "error"), None)
 
 
 DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
