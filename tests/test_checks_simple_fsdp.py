@@ -103,10 +103,13 @@ def test_compiled_the_gathers_are_recomputed_not_saved():
 
 # ---------------------------------------------------------------- they fail, saying why
 
+CHECK_MOVE = ("    src, dst = simple_fsdp.check_move(src, dst, shape)  # Shard(-1) is Shard(ndim - 1); other moves: "
+              "ValueError\n")
+R_TO_SHARD = "        return simple_fsdp.local_shard(local, rank, world_size).clone()\n"
+SUM_ON = "local.clone(memory_format=torch.contiguous_format)  # gloo sums in memory order: DTensor's bits"
 REDISTRIBUTE = [
     # torch.chunk for this rank's rows: fewer pieces than ranks when there are fewer rows
-    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n":
-      "        return local.chunk(world_size)[rank].clone()\n"},
+    ({R_TO_SHARD: "        return local.chunk(world_size)[rank].clone()\n"},
      "torch.chunk gives fewer than N pieces .* IndexError"),
     ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n"
       "        return padded[:rows]":
@@ -122,11 +125,40 @@ REDISTRIBUTE = [
      "Partial\\(\\) -> Shard\\(0\\).*issued all-reduce of .* bytes; DTensor's redistribute issues reduce-scatter"),
     ({"        dist.all_reduce(summed)\n        return summed\n": "        return summed\n"},
      "Partial\\(\\) -> Replicate\\(\\).*never summed over the ranks"),
-    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n": "        return local\n"},
+    ({R_TO_SHARD: "        return local\n"},
      "Replicate\\(\\) -> Shard\\(0\\).*it has all 5 rows: Shard\\(0\\) keeps only this rank.s rows"),
     ({"dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())":
       "dist.all_gather_single(padded, local.contiguous())"},
      "redistribute failed on 2 ranks \\(uneven Shard\\(0\\) pieces: a collective needs equal pieces"),
+    # the rows read before the move that needs none: a scalar (a summed loss) crashes
+    ({"    ### BEGIN SOLUTION\n    if src.is_partial() and dst.is_replicate():":
+      "    ### BEGIN SOLUTION\n    rows, k = shape[0], simple_fsdp.shard_rows(shape[0], world_size)\n"
+      "    if src.is_partial() and dst.is_replicate():"},
+     "a scalar, such as a summed loss, has shape \\(\\).*Partial\\(\\) -> Replicate\\(\\) of shape \\(\\): IndexError"),
+    # the placements checked but not normalised: Shard(-2) is not Shard(0)
+    ({CHECK_MOVE: "    simple_fsdp.check_move(src, dst, shape)\n"},
+     "Shard\\(-2\\) of a 2-D tensor is Shard\\(0\\).*Shard\\(-2\\) -> Replicate\\(\\) of shape \\(5, 3\\)"),
+    # no check of the move: a Partial("max") is summed
+    ({CHECK_MOVE: ""},
+     "Partial\\(\"max\"\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2 returned the sum over the ranks: "
+     "a Partial\\(\"max\"\\)'s value is the max over the ranks"),
+    # a guard of its own that refuses a Partial("max") but crashes on sharding a scalar
+    ({CHECK_MOVE: "    if src.is_partial() and src.reduce_op != \"sum\":\n        raise ValueError(\"not a sum\")\n"},
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(\\) on rank 0 of 2 raised IndexError: .* refuses it with a "
+     "ValueError"),
+    # the sum taken on a copy that keeps the local tensor's strides: not contiguous
+    ({SUM_ON: "local.clone()"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\), stored column-major on rank 0 of 2: the result is not "
+     "contiguous"),
+    # ... made contiguous after the sum: gloo summed in another order than DTensor (3 ranks: the last bits differ)
+    ({SUM_ON: "local.clone()", "        dist.all_reduce(summed)\n        return summed\n":
+      "        dist.all_reduce(summed)\n        return summed.contiguous()\n"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(7, 3\\), stored column-major on rank 0 of 3: equal to DTensor's "
+     "result only to .*, not bit for bit"),
+    # this rank's rows, a view of the local tensor: its strides too (DTensor's last, uneven, shard is contiguous)
+    ({R_TO_SHARD: "        return simple_fsdp.local_shard(local, rank, world_size)\n"},
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(7, 3\\), stored column-major on rank 2 of 3: the result is not "
+     "contiguous"),
 ]
 
 DATA_PARALLEL = [
