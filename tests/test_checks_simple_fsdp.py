@@ -4,8 +4,9 @@ a small edit of it (utils.notebooks.solution)."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from utils import simple_fsdp
+from utils import pytorch_reference, simple_fsdp
 from utils.checks.simple_fsdp import check_data_parallel, check_redistribute, check_reshard, check_units
 from utils.launch import spawn
 from utils.model import Sizes
@@ -70,6 +71,75 @@ def test_shards_follow_torch_chunk():
     assert [simple_fsdp.local_shard(whole, r, 3).tolist() for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6]]
     assert [simple_fsdp.local_rows(3, r, 4) for r in range(4)] == [1, 1, 1, 0]
     assert simple_fsdp.original_name("a.parametrizations.weight.original") == "a.weight"
+
+
+def test_redistribute_refuses_what_it_does_not_move():
+    """A ValueError naming the move, before any collective (no process group needed): a Partial that is not a sum
+    (DTensor's Partial("max") is the max over the ranks), a scalar's Shard, Shard(-1) of a 2-D tensor (Shard(1))."""
+    for op in ("max", "min", "avg", "product"):
+        with pytest.raises(ValueError, match=f'Partial\\("{op}"\\) -> Replicate\\(\\).*a Partial\\(\\) here is a sum'):
+            SOL.redistribute(torch.ones(5, 3), Partial(op), Replicate(), (5, 3))
+        with pytest.raises(ValueError, match=f'Partial\\("{op}"\\) -> Shard\\(0\\).*the {op} over the ranks'):
+            SOL.redistribute(torch.ones(5, 3), Partial(op), Shard(0), (5, 3))
+    with pytest.raises(ValueError, match="Shard\\(0\\) of a tensor of shape \\(\\).*a scalar cannot be sharded"):
+        SOL.redistribute(torch.tensor(1.0), Partial(), Shard(0), ())
+    with pytest.raises(ValueError, match="Replicate\\(\\) -> Shard\\(1\\) of a tensor of shape \\(5, 3\\) is not"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), Shard(-1), (5, 3))
+    with pytest.raises(ValueError, match="Shard\\(-3\\) of a tensor of shape \\(5, 3\\), which has dims -2 to 1"):
+        SOL.redistribute(torch.ones(5, 3), Shard(-3), Replicate(), (5, 3))
+    with pytest.raises(ValueError, match="Replicate\\(\\) -> Partial\\(\\).*the moves here"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), Partial(), (5, 3))
+    with pytest.raises(TypeError, match="dst must be a placement"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), "Shard(0)", (5, 3))
+    assert simple_fsdp.check_move(Shard(-2), Replicate(), (5, 3)) == (Shard(0), Replicate())
+    assert simple_fsdp.check_move(Partial(), Shard(-1), (5,)) == (Partial(), Shard(0))
+    assert simple_fsdp.check_move(Partial("max"), Partial("max"), ()) == (Partial("max"), Partial("max"))
+
+
+def _from_end(placement, shape):
+    return Shard(placement.dim - len(shape)) if placement.is_shard() else placement
+
+
+def _values(shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
+
+
+def against_dtensor_main(rank, world_size, redistribute):
+    """The cases where `redistribute` and DTensor's differ on this rank (values bit for bit, dtype, contiguous where
+    DTensor's is, collectives and bytes): every move, Shard(0) also written from the end, 1-D to 3-D, uneven rows and
+    ranks with none, local tensors stored column-major, float32, float64 and int64; and a scalar's Partial()."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, n = init_device_mesh("cpu", (world_size,)), world_size
+    shapes = [(1,), (n + 1,), (2 * n + 1, 3), (max(1, n - 1), 2), (2, 2, 3), (2 * n + 1, 2, 3)]
+    cases = [((), Partial(), Replicate(), False)]
+    for shape in shapes:
+        for src, dst in simple_fsdp.MOVES:
+            cases += [(shape, src, dst, False), (shape, _from_end(src, shape), _from_end(dst, shape), len(shape) > 1)]
+    differ = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        for shape, src, dst, column_major in cases:
+            local = _values(shape, dtype, rank if src.is_partial() else n + 1)
+            local = simple_fsdp.local_shard(local, rank, n).clone() if src.is_shard() else local
+            local = local.mT.contiguous().mT if column_major else local
+            with simple_fsdp.record_collectives() as ours_log:
+                ours = redistribute(local.clone(), src, dst, shape)
+            with simple_fsdp.record_collectives() as theirs_log:
+                theirs = pytorch_reference.dtensor_redistribute(local.clone(), src, dst, shape, mesh)
+            if (ours.dtype != theirs.dtype or not torch.equal(ours, theirs) or ours_log != theirs_log
+                    or (theirs.is_contiguous() and not ours.is_contiguous())):
+                differ.append((str(src), str(dst), shape, column_major, str(dtype)))
+    return differ, len(cases) * 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_redistribute_is_dtensors(world_size):
+    """The solution's redistribute equals DTensor's, bit for bit, with the same collectives, over a case matrix."""
+    for differ, tried in spawn(against_dtensor_main, world_size, SOL.redistribute):
+        assert tried == 3 * 49 and differ == []
 
 
 def counting_main(rank, world_size):
