@@ -214,8 +214,8 @@ REDISTRIBUTE = [
      "a Partial\\(\"max\"\\)'s value is the max over the ranks"),
     # a guard of its own that refuses a Partial("max") but crashes on sharding a scalar
     ({CHECK_MOVE: "    if src.is_partial() and src.reduce_op != \"sum\":\n        raise ValueError(\"not a sum\")\n"},
-     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(\\) on rank 0 of 2 raised IndexError: .* refuses it with a "
-     "ValueError"),
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(\\) on rank 0 of 2 raised IndexError: .*; a move not made "
+     "here is refused with a ValueError"),
     # the sum taken on a copy that keeps the local tensor's strides: not contiguous
     ({SUM_ON: "local.clone()"},
      "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\), stored column-major on rank 0 of 2: the result is not "

@@ -148,7 +148,8 @@ def _diagnose_refusal(refusal, case, rank, world_size, seed):
     """Why what redistribute did with a move it must refuse is not a ValueError, in words."""
     what = f"{case} on rank {rank} of {world_size}"
     if refusal[0] == "raised":
-        return f"{what} raised {refusal[1]}: a move made here refuses it with a ValueError that names it"
+        return (f"{what} raised {refusal[1]}; a move not made here is refused with a ValueError that names it "
+                f"(simple_fsdp.check_move raises it)")
     out, wanted = refusal[1], "a ValueError naming the move (simple_fsdp.check_move raises it)"
     if case.src.is_partial() and isinstance(out, torch.Tensor) and out.shape == case.shape:
         summed = whole_value(Partial(), case.shape, world_size, seed)
