@@ -4,8 +4,9 @@ a small edit of it (utils.notebooks.solution)."""
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from utils import simple_fsdp
+from utils import pytorch_reference, simple_fsdp
 from utils.checks.simple_fsdp import check_data_parallel, check_redistribute, check_reshard, check_units
 from utils.launch import spawn
 from utils.model import Sizes
@@ -72,6 +73,75 @@ def test_shards_follow_torch_chunk():
     assert simple_fsdp.original_name("a.parametrizations.weight.original") == "a.weight"
 
 
+def test_redistribute_refuses_what_it_does_not_move():
+    """A ValueError naming the move, before any collective (no process group needed): a Partial that is not a sum
+    (DTensor's Partial("max") is the max over the ranks), a scalar's Shard, Shard(-1) of a 2-D tensor (Shard(1))."""
+    for op in ("max", "min", "avg", "product"):
+        with pytest.raises(ValueError, match=f'Partial\\("{op}"\\) -> Replicate\\(\\).*a Partial\\(\\) here is a sum'):
+            SOL.redistribute(torch.ones(5, 3), Partial(op), Replicate(), (5, 3))
+        with pytest.raises(ValueError, match=f'Partial\\("{op}"\\) -> Shard\\(0\\).*the {op} over the ranks'):
+            SOL.redistribute(torch.ones(5, 3), Partial(op), Shard(0), (5, 3))
+    with pytest.raises(ValueError, match="Shard\\(0\\) of a tensor of shape \\(\\).*a scalar cannot be sharded"):
+        SOL.redistribute(torch.tensor(1.0), Partial(), Shard(0), ())
+    with pytest.raises(ValueError, match="Replicate\\(\\) -> Shard\\(1\\) of a tensor of shape \\(5, 3\\) is not"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), Shard(-1), (5, 3))
+    with pytest.raises(ValueError, match="Shard\\(-3\\) of a tensor of shape \\(5, 3\\), which has dims -2 to 1"):
+        SOL.redistribute(torch.ones(5, 3), Shard(-3), Replicate(), (5, 3))
+    with pytest.raises(ValueError, match="Replicate\\(\\) -> Partial\\(\\).*the moves here"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), Partial(), (5, 3))
+    with pytest.raises(TypeError, match="dst must be a placement"):
+        SOL.redistribute(torch.ones(5, 3), Replicate(), "Shard(0)", (5, 3))
+    assert simple_fsdp.check_move(Shard(-2), Replicate(), (5, 3)) == (Shard(0), Replicate())
+    assert simple_fsdp.check_move(Partial(), Shard(-1), (5,)) == (Partial(), Shard(0))
+    assert simple_fsdp.check_move(Partial("max"), Partial("max"), ()) == (Partial("max"), Partial("max"))
+
+
+def _from_end(placement, shape):
+    return Shard(placement.dim - len(shape)) if placement.is_shard() else placement
+
+
+def _values(shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    return torch.randint(-100, 100, shape, generator=generator, dtype=dtype)
+
+
+def against_dtensor_main(rank, world_size, redistribute):
+    """The cases where `redistribute` and DTensor's differ on this rank (values bit for bit, dtype, contiguous where
+    DTensor's is, collectives and bytes): every move, Shard(0) also written from the end, 1-D to 3-D, uneven rows and
+    ranks with none, local tensors stored column-major, float32, float64 and int64; and a scalar's Partial()."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh, n = init_device_mesh("cpu", (world_size,)), world_size
+    shapes = [(1,), (n + 1,), (2 * n + 1, 3), (max(1, n - 1), 2), (2, 2, 3), (2 * n + 1, 2, 3)]
+    cases = [((), Partial(), Replicate(), False)]
+    for shape in shapes:
+        for src, dst in simple_fsdp.MOVES:
+            cases += [(shape, src, dst, False), (shape, _from_end(src, shape), _from_end(dst, shape), len(shape) > 1)]
+    differ = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        for shape, src, dst, column_major in cases:
+            local = _values(shape, dtype, rank if src.is_partial() else n + 1)
+            local = simple_fsdp.local_shard(local, rank, n).clone() if src.is_shard() else local
+            local = local.mT.contiguous().mT if column_major else local
+            with simple_fsdp.record_collectives() as ours_log:
+                ours = redistribute(local.clone(), src, dst, shape)
+            with simple_fsdp.record_collectives() as theirs_log:
+                theirs = pytorch_reference.dtensor_redistribute(local.clone(), src, dst, shape, mesh)
+            if (ours.dtype != theirs.dtype or not torch.equal(ours, theirs) or ours_log != theirs_log
+                    or (theirs.is_contiguous() and not ours.is_contiguous())):
+                differ.append((str(src), str(dst), shape, column_major, str(dtype)))
+    return differ, len(cases) * 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_redistribute_is_dtensors(world_size):
+    """The solution's redistribute equals DTensor's, bit for bit, with the same collectives, over a case matrix."""
+    for differ, tried in spawn(against_dtensor_main, world_size, SOL.redistribute):
+        assert tried == 3 * 49 and differ == []
+
+
 def counting_main(rank, world_size):
     """record_collectives sees torch.distributed calls and functional collectives alike, with the input's bytes."""
     import torch.distributed as dist
@@ -103,10 +173,13 @@ def test_compiled_the_gathers_are_recomputed_not_saved():
 
 # ---------------------------------------------------------------- they fail, saying why
 
+CHECK_MOVE = ("    src, dst = simple_fsdp.check_move(src, dst, shape)  # Shard(-1) is Shard(ndim - 1); other moves: "
+              "ValueError\n")
+R_TO_SHARD = "        return simple_fsdp.local_shard(local, rank, world_size).clone()\n"
+SUM_ON = "local.clone(memory_format=torch.contiguous_format)  # gloo sums in memory order: DTensor's bits"
 REDISTRIBUTE = [
     # torch.chunk for this rank's rows: fewer pieces than ranks when there are fewer rows
-    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n":
-      "        return local.chunk(world_size)[rank].clone()\n"},
+    ({R_TO_SHARD: "        return local.chunk(world_size)[rank].clone()\n"},
      "torch.chunk gives fewer than N pieces .* IndexError"),
     ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n"
       "        return padded[:rows]":
@@ -122,11 +195,40 @@ REDISTRIBUTE = [
      "Partial\\(\\) -> Shard\\(0\\).*issued all-reduce of .* bytes; DTensor's redistribute issues reduce-scatter"),
     ({"        dist.all_reduce(summed)\n        return summed\n": "        return summed\n"},
      "Partial\\(\\) -> Replicate\\(\\).*never summed over the ranks"),
-    ({"        return simple_fsdp.local_shard(local, rank, world_size).clone()\n": "        return local\n"},
+    ({R_TO_SHARD: "        return local\n"},
      "Replicate\\(\\) -> Shard\\(0\\).*it has all 5 rows: Shard\\(0\\) keeps only this rank.s rows"),
     ({"dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())":
       "dist.all_gather_single(padded, local.contiguous())"},
      "redistribute failed on 2 ranks \\(uneven Shard\\(0\\) pieces: a collective needs equal pieces"),
+    # the rows read before the move that needs none: a scalar (a summed loss) crashes
+    ({"    ### BEGIN SOLUTION\n    if src.is_partial() and dst.is_replicate():":
+      "    ### BEGIN SOLUTION\n    rows, k = shape[0], simple_fsdp.shard_rows(shape[0], world_size)\n"
+      "    if src.is_partial() and dst.is_replicate():"},
+     "a scalar, such as a summed loss, has shape \\(\\).*Partial\\(\\) -> Replicate\\(\\) of shape \\(\\): IndexError"),
+    # the placements checked but not normalised: Shard(-2) is not Shard(0)
+    ({CHECK_MOVE: "    simple_fsdp.check_move(src, dst, shape)\n"},
+     "Shard\\(-2\\) of a 2-D tensor is Shard\\(0\\).*Shard\\(-2\\) -> Replicate\\(\\) of shape \\(5, 3\\)"),
+    # no check of the move: a Partial("max") is summed
+    ({CHECK_MOVE: ""},
+     "Partial\\(\"max\"\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2 returned the sum over the ranks: "
+     "a Partial\\(\"max\"\\)'s value is the max over the ranks"),
+    # a guard of its own that refuses a Partial("max") but crashes on sharding a scalar
+    ({CHECK_MOVE: "    if src.is_partial() and src.reduce_op != \"sum\":\n        raise ValueError(\"not a sum\")\n"},
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(\\) on rank 0 of 2 raised IndexError: .*; a move not made "
+     "here is refused with a ValueError"),
+    # the sum taken on a copy that keeps the local tensor's strides: not contiguous
+    ({SUM_ON: "local.clone()"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\), stored column-major on rank 0 of 2: the result is not "
+     "contiguous"),
+    # ... made contiguous after the sum: gloo summed in another order than DTensor (3 ranks: the last bits differ)
+    ({SUM_ON: "local.clone()", "        dist.all_reduce(summed)\n        return summed\n":
+      "        dist.all_reduce(summed)\n        return summed.contiguous()\n"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(7, 3\\), stored column-major on rank 0 of 3: equal to DTensor's "
+     "result only to .*, not bit for bit"),
+    # this rank's rows, a view of the local tensor: its strides too (DTensor's last, uneven, shard is contiguous)
+    ({R_TO_SHARD: "        return simple_fsdp.local_shard(local, rank, world_size)\n"},
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(7, 3\\), stored column-major on rank 2 of 3: the result is not "
+     "contiguous"),
 ]
 
 DATA_PARALLEL = [

@@ -31,6 +31,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -75,6 +76,53 @@ def check_shardable(model):
 def check_sizes(batch_size, world_size):
     """Data parallel: every rank gets the same number of rows of the batch."""
     return divide("batch_size", batch_size, "world_size", world_size, EACH_RANK_SAME_ROWS)
+
+
+# ---------------------------------------------------------------- placements: the moves redistribute makes
+
+# Section 1's moves, each one collective (or none); DTensor makes more (other dims, other reduce ops, to Partial).
+MOVES = ((Shard(0), Replicate()), (Partial(), Replicate()), (Partial(), Shard(0)), (Replicate(), Shard(0)))
+
+
+def check_move(src, dst, shape):
+    """(src, dst) for a tensor of global `shape`, a negative Shard dim counted from the end as DTensor does
+    (Shard(-1) of a 2-D tensor is Shard(1)); a ValueError naming it for a move that is neither none nor one of
+    MOVES: a Partial that is not a sum, sharding a scalar, another dim than 0, into Partial."""
+    shape = tuple(shape)
+    for name, placement in (("src", src), ("dst", dst)):
+        if not isinstance(placement, Placement):
+            raise TypeError(f"redistribute: {name} must be a placement (Shard(0), Replicate(), Partial()), "
+                            f"got {placement!r}")
+    src, dst = (_normalized(placement, shape) for placement in (src, dst))
+    if src == dst or (src, dst) in MOVES:
+        return src, dst
+    move = f"{placement_name(src)} -> {placement_name(dst)}"
+    other = next((p for p in (src, dst) if p.is_partial() and p.reduce_op != "sum"), None)
+    moves = ", ".join(f"{placement_name(a)} -> {placement_name(b)}" for a, b in MOVES)
+    why = (f"a Partial() here is a sum; {placement_name(other)}'s value is the {other.reduce_op} over the ranks"
+           if other else f"the moves here: {moves}")
+    raise ValueError(f"redistribute: {move} of a tensor of shape {shape} is not a move made here ({why}); "
+                     f"DTensor's redistribute makes it")
+
+
+def _normalized(placement, shape):
+    """Shard(dim) with dim in [0, ndim); a ValueError for a dim the shape does not have (a scalar has none)."""
+    if not placement.is_shard():
+        return placement
+    ndim = len(shape)
+    if not -ndim <= placement.dim < ndim:
+        has = f"dims -{ndim} to {ndim - 1}" if ndim else "no dim: a scalar cannot be sharded"
+        raise ValueError(f"redistribute: {placement_name(placement)} of a tensor of shape {shape}, which has {has}")
+    return Shard(placement.dim % ndim)
+
+
+def placement_name(placement):
+    """Shard(0), Replicate(), Partial(), Partial("max"): as the notebook writes them."""
+    if placement.is_shard():
+        return f"Shard({placement.dim})"
+    if placement.is_partial():
+        return "Partial()" if placement.reduce_op == "sum" else f'Partial("{placement.reduce_op}")'
+    return "Replicate()" if placement.is_replicate() else repr(placement)
 
 
 # ---------------------------------------------------------------- shards along dim 0

@@ -5,6 +5,8 @@ Each check runs the notebook's code on the given world size and on 3 ranks with 
 and with PyTorch's own (DTensor's redistribute, FSDP2's fully_shard), and counts the collectives and the
 bytes handed to them (utils.simple_fsdp.record_collectives).
 """
+from typing import NamedTuple
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -14,16 +16,10 @@ from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.model import Sizes
 from utils.sizes import check_int
 
-TRANSITIONS = ((Shard(0), Replicate()), (Partial(), Replicate()), (Partial(), Shard(0)), (Replicate(), Shard(0)))
-ISSUES = {(Shard(0), Replicate()): "all-gather", (Partial(), Replicate()): "all-reduce",
-          (Partial(), Shard(0)): "reduce-scatter", (Replicate(), Shard(0)): "nothing"}
+ISSUES = dict(zip(simple_fsdp.MOVES, ("all-gather", "all-reduce", "reduce-scatter", "nothing")))
 # The awkward model's float32 `gate` sums in float32, in another order than one process: it (and through it every
 # parameter after the first step) agrees to float32's precision only, as in notebook 05.
 FLOAT32_TOLERANCE = 1e-6
-
-
-def _name(placement):
-    return {"S(0)": "Shard(0)", "R": "Replicate()", "P(sum)": "Partial()"}.get(str(placement), str(placement))
 
 
 def _other_world_size(world_size):
@@ -57,17 +53,47 @@ FLAT_UNIT_CRASHES = {
 
 # ---------------------------------------------------------------- section 1: redistribute
 
+class Case(NamedTuple):
+    shape: tuple
+    src: object
+    dst: object
+    column_major: bool = False  # the local tensor stored column-major (a transposed tensor's layout)
+
+    def __str__(self):
+        layout = ", stored column-major" if self.column_major else ""
+        name = simple_fsdp.placement_name
+        return f"redistribute {name(self.src)} -> {name(self.dst)} of shape {self.shape}{layout}"
+
+
 def shapes_for(world_size):
     """Uneven rows (2N + 1), even rows (2N), and fewer rows than ranks (the last ranks hold none)."""
     return [(2 * world_size + 1, 3), (2 * world_size, 3), (max(1, world_size - 1), 2)]
 
 
-def local_tensor(placement, shape, rank, world_size, seed):
-    """Rank `rank`'s local tensor under `placement` of the DTensor whose value `whole_value` gives."""
-    if placement.is_partial():
-        return seeded_randn(shape, seed, rank)
-    whole = seeded_randn(shape, seed, world_size + 1)
-    return simple_fsdp.local_shard(whole, rank, world_size).clone() if placement.is_shard() else whole
+def cases_for(world_size):
+    """Every move on shapes_for's shapes; a scalar's sum (a summed loss); Shard dims counted from the end (1-D, 2-D,
+    3-D); and every move of a local tensor stored column-major (DTensor moves a contiguous copy)."""
+    uneven = shapes_for(world_size)[0]
+    return ([Case(shape, src, dst) for shape in shapes_for(world_size) for src, dst in simple_fsdp.MOVES]
+            + [Case((), Partial(), Replicate()), Case(uneven, Shard(-2), Replicate()),
+               Case((uneven[0],), Partial(), Shard(-1)), Case((world_size + 1, 2, 2), Replicate(), Shard(-3))]
+            + [Case(uneven, src, dst, column_major=True) for src, dst in simple_fsdp.MOVES])
+
+
+# Moves redistribute does not make, each refused with a ValueError: a Partial that is not a sum, a scalar's Shard,
+# Shard(-1) of a 2-D tensor (Shard(1)).
+REFUSED = [Case((5, 3), Partial("max"), Replicate()), Case((), Replicate(), Shard(0)),
+           Case((5, 3), Replicate(), Shard(-1))]
+
+
+def local_tensor(case, rank, world_size, seed):
+    """Rank `rank`'s local tensor under `case.src` of the DTensor whose value `whole_value` gives."""
+    if case.src.is_partial():
+        local = seeded_randn(case.shape, seed, rank)
+    else:
+        local = seeded_randn(case.shape, seed, world_size + 1)
+        local = simple_fsdp.local_shard(local, rank, world_size).clone() if case.src.is_shard() else local
+    return local.mT.contiguous().mT if case.column_major else local
 
 
 def whole_value(placement, shape, world_size, seed):
@@ -76,32 +102,75 @@ def whole_value(placement, shape, world_size, seed):
     return seeded_randn(shape, seed, world_size + 1)
 
 
-def redistribute_main(rank, world_size, redistribute, shapes, seed):
-    """[(shape, src, dst, (ours, our collectives), (DTensor's, its collectives))] on this rank."""
+def _refusal(redistribute, case, local):
+    """What redistribute does with a move it must refuse: ("refused",), ("raised", error) or ("returned", tensor)."""
+    try:
+        out = redistribute(local, case.src, case.dst, case.shape)
+    except ValueError:
+        return ("refused",)
+    except Exception as e:  # noqa: BLE001 - reported, with its type, as not the ValueError wanted
+        return ("raised", f"{type(e).__name__}: {e}")
+    return ("returned", out)
+
+
+def redistribute_main(rank, world_size, redistribute, cases, seed):
+    """([what each REFUSED case did], [(case, (ours, contiguous, our collectives), (DTensor's, ...))]) on this
+    rank; the moves are tried only once every refusal is a ValueError (all ranks alike)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    refusals = [_refusal(redistribute, case, local_tensor(case, rank, world_size, seed)) for case in REFUSED]
+    if any(refusal[0] != "refused" for refusal in refusals):
+        return refusals, []
     mesh = init_device_mesh("cpu", (world_size,))
     results = []
-    for shape in shapes:
-        for src, dst in TRANSITIONS:
-            local = local_tensor(src, shape, rank, world_size, seed)
+    for case in cases:
+        local = local_tensor(case, rank, world_size, seed)
+        try:  # name the move in the error: the crash hints depend on it
             with simple_fsdp.record_collectives() as ours_log:
-                ours = redistribute(local.clone(), src, dst, shape)
-            with simple_fsdp.record_collectives() as theirs_log:
-                theirs = pytorch_reference.dtensor_redistribute(local.clone(), src, dst, shape, mesh)
-            results.append((shape, src, dst, (ours.detach().clone(), ours_log), (theirs, theirs_log)))
-    return results
+                ours = redistribute(local.clone(), case.src, case.dst, case.shape).detach()
+        except Exception as e:
+            raise RuntimeError(f"{case}: {type(e).__name__}: {e}") from e
+        with simple_fsdp.record_collectives() as theirs_log:
+            theirs = pytorch_reference.dtensor_redistribute(local.clone(), case.src, case.dst, case.shape, mesh)
+        # contiguous is asked here: the copy that brings a tensor to the parent may lay it out anew
+        results.append((case, (ours, ours.is_contiguous(), ours_log), (theirs, theirs.is_contiguous(), theirs_log)))
+    return refusals, results
 
 
-def _diagnose_values(got, want, local, src, dst, shape, world_size):
+SCALAR = (" (a scalar, such as a summed loss, has shape (): it has no rows, so shape[0] fails; its Partial() -> "
+          "Replicate() is an all-reduce that needs no rows or k)")
+NEGATIVE = (" (DTensor counts a negative Shard dim from the end: Shard(-2) of a 2-D tensor is Shard(0); move it as "
+            "Shard(0): simple_fsdp.check_move returns the placements so)")
+NO_RESULT = " (a move returned None: every move returns this rank's new local tensor)"
+
+
+def _diagnose_refusal(refusal, case, rank, world_size, seed):
+    """Why what redistribute did with a move it must refuse is not a ValueError, in words."""
+    what = f"{case} on rank {rank} of {world_size}"
+    if refusal[0] == "raised":
+        return (f"{what} raised {refusal[1]}; a move not made here is refused with a ValueError that names it "
+                f"(simple_fsdp.check_move raises it)")
+    out, wanted = refusal[1], "a ValueError naming the move (simple_fsdp.check_move raises it)"
+    if case.src.is_partial() and isinstance(out, torch.Tensor) and out.shape == case.shape:
+        summed = whole_value(Partial(), case.shape, world_size, seed)
+        if max_abs_diff(out, summed) < TOLERANCE:
+            return (f"{what} returned the sum over the ranks: a {simple_fsdp.placement_name(case.src)}'s value is "
+                    f"the {case.src.reduce_op} over the ranks, not their sum; a Partial() here is a sum, so the "
+                    f"others get {wanted}")
+    return f"{what} returned {'None' if out is None else 'a tensor'}; a move not made here gets {wanted}"
+
+
+def _diagnose_values(got, want, local, case, world_size):
     """Why a redistributed local tensor is not `want`: the usual mistakes, in words."""
-    rows, k = shape[0], simple_fsdp.shard_rows(shape[0], world_size)
-    if got.shape != want.shape:
+    src, dst, shape = case.src, case.dst, case.shape
+    if got.shape != want.shape and got.dim() and want.dim() == len(shape) > 0:
+        rows, k = shape[0], simple_fsdp.shard_rows(shape[0], world_size)
         padded = world_size * k if dst.is_replicate() else k
         if got.shape[0] == padded and got.shape[0] != want.shape[0]:
             return f"it has {got.shape[0]} rows, {want.shape[0]} expected: the padding rows were not dropped"
         if dst.is_shard() and got.shape[0] == rows:
             return f"it has all {rows} rows: Shard(0) keeps only this rank's rows ({want.shape[0]})"
+    if got.shape != want.shape:
         return f"its shape is {tuple(got.shape)}, {tuple(want.shape)} expected"
     if src.is_partial():
         if max_abs_diff(got, want / world_size) < TOLERANCE:
@@ -111,26 +180,37 @@ def _diagnose_values(got, want, local, src, dst, shape, world_size):
     return f"it differs by up to {max_abs_diff(got, want):.3g}"
 
 
+def _negative(case):
+    return any(p.is_shard() and p.dim < 0 for p in (case.src, case.dst))
+
+
 def check_redistribute(redistribute, world_size, seed=0):
     """redistribute(local, src, dst, shape) for Shard(0)->Replicate, Partial->Replicate, Partial->Shard(0),
-    Replicate->Shard(0): the single-process value, DTensor's local tensor, and DTensor's collectives and bytes."""
+    Replicate->Shard(0), a scalar and negative dims included: the single-process value, DTensor's local tensor bit for
+    bit (contiguous where DTensor's is), DTensor's collectives and bytes; other moves refused with a ValueError."""
     world_size = check_int("world_size", world_size)
     seed = check_int("seed", seed, 0)
     sizes = sorted({world_size, _other_world_size(world_size)})
     for n in sizes:
-        by_rank = _spawn(redistribute_main, n, redistribute, shapes_for(n), seed, what="redistribute",
-                         hints={"invalid tensor size": UNEVEN, "IndexError": FEWER_PIECES})
-        for rank, results in enumerate(by_rank):
-            for shape, src, dst, (ours, ours_log), (theirs, theirs_log) in results:
-                what = f"redistribute {_name(src)} -> {_name(dst)} of shape {shape} on rank {rank} of {n}"
-                whole = whole_value(src, shape, n, seed)
+        by_rank = _spawn(redistribute_main, n, redistribute, cases_for(n), seed, what="redistribute",
+                         hints={"of shape (): ": SCALAR, "Shard(-": NEGATIVE, "invalid tensor size": UNEVEN,
+                                "IndexError": FEWER_PIECES, "'NoneType' object has no attribute": NO_RESULT})
+        for rank, (refusals, results) in enumerate(by_rank):
+            for case, refusal in zip(REFUSED, refusals):
+                if refusal[0] != "refused":
+                    raise AssertionError(_diagnose_refusal(refusal, case, rank, n, seed))
+            for case, (ours, ours_contiguous, ours_log), (theirs, theirs_contiguous, theirs_log) in results:
+                what = f"{case} on rank {rank} of {n}"
+                src, dst = simple_fsdp.check_move(case.src, case.dst, case.shape)
+                whole = whole_value(src, case.shape, n, seed)
                 want = simple_fsdp.local_shard(whole, rank, n) if dst.is_shard() else whole
                 if ours.shape != want.shape or max_abs_diff(ours, want) > TOLERANCE:
-                    local = local_tensor(src, shape, rank, n, seed)
+                    if _negative(case):
+                        raise AssertionError(f"{what}: wrong local tensor{NEGATIVE}")
+                    local = local_tensor(case, rank, n, seed)
                     if dst.is_shard():
                         local = simple_fsdp.local_shard(local, rank, n)
-                    hint = _diagnose_values(ours, want, local, src, dst, shape, n)
-                    raise AssertionError(f"{what}: wrong local tensor; {hint}")
+                    raise AssertionError(f"{what}: wrong local tensor; {_diagnose_values(ours, want, local, case, n)}")
                 if theirs.shape != want.shape or max_abs_diff(theirs, want) > TOLERANCE:
                     raise AssertionError(f"{what}: DTensor's own result differs from the single-process value")
                 if ours_log != theirs_log:
@@ -138,7 +218,15 @@ def check_redistribute(redistribute, world_size, seed=0):
                     wanted = ", ".join(map(str, theirs_log)) or "no collective"
                     raise AssertionError(f"{what}: issued {said}; DTensor's redistribute issues {wanted} (the bytes "
                                          f"are those of each collective's input, padded to N equal pieces)")
-    issued = "; ".join(f"{_name(s)} -> {_name(d)}: {ISSUES[(s, d)]}" for s, d in TRANSITIONS)
+                if theirs_contiguous and not ours_contiguous:
+                    raise AssertionError(f"{what}: the result is not contiguous; DTensor's is: return a contiguous "
+                                         f"tensor (a sum taken on a contiguous buffer, a copy of the rows kept)")
+                if not torch.equal(ours, theirs):
+                    raise AssertionError(f"{what}: equal to DTensor's result only to {max_abs_diff(ours, theirs):.1g}, "
+                                         f"not bit for bit: gloo adds element by element in memory order, so reduce "
+                                         f"a contiguous copy of the local tensor, as DTensor does")
+    issued = "; ".join(f"{simple_fsdp.placement_name(s)} -> {simple_fsdp.placement_name(d)}: {ISSUES[(s, d)]}"
+                       for s, d in simple_fsdp.MOVES)
     print(f"redistribute: correct on {' and '.join(map(str, sizes))} ranks, shapes with uneven rows, even rows and "
           f"fewer rows than ranks; equal to the single-process values and to DTensor's redistribute to {TOLERANCE:g}, "
           f"with the same collectives and bytes ({issued})")
