@@ -6,9 +6,20 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 from utils import fault_tolerance as ft
-from utils.checks.fault_tolerance import check_checkpoint, check_controller, check_latest_checkpoint, check_sampler
+from utils import fsdp
+from utils.checks.fault_tolerance import (
+    _save_any_main,
+    any_tensors,
+    check_checkpoint,
+    check_controller,
+    check_latest_checkpoint,
+    check_sampler,
+    verify_any_tensors,
+)
+from utils.launch import spawn
 from utils.notebooks import solution
 
 NOTEBOOK = "08_fault_tolerance"
@@ -70,7 +81,8 @@ def test_read_metadata_names_the_file_and_the_problem():
     with tempfile.TemporaryDirectory() as d:
         with pytest.raises(ft.CheckpointError, match="metadata.json: not found"):
             ft.read_metadata(d, shapes)
-        metadata = {"world_size": 2, "shapes": {"w": [2, 3]}, "step": 1, "sampler": {}, "shard_bytes": [5]}
+        metadata = {"world_size": 2, "shapes": {"w": [2, 3]}, "dtypes": {"w": "torch.int64"}, "step": 1,
+                    "sampler": {}, "shard_bytes": [5]}
         ft.write_metadata(d, metadata)
         with pytest.raises(ft.CheckpointError, match="corrupted: 1 shard sizes for world size 2"):
             ft.read_metadata(d, shapes)
@@ -80,6 +92,11 @@ def test_read_metadata_names_the_file_and_the_problem():
         with pytest.raises(ft.CheckpointError, match="has no 'v': it is from another model"):
             ft.read_metadata(d, {"v": (2, 3)})
         assert ft.read_metadata(d, shapes)["shapes"] == {"w": (2, 3)}
+        assert ft.read_metadata(d, shapes)["dtypes"] == {"w": torch.int64}
+        ft.write_metadata(d, {**metadata, "shard_bytes": [5, 5], "dtypes": {"w": "torch.nn"}})
+        with pytest.raises(ft.CheckpointError, match="metadata.json: corrupted: the dtype of 'w' is 'torch.nn', not"):
+            ft.read_metadata(d, shapes)
+        ft.write_metadata(d, {**metadata, "shard_bytes": [5, 5]})
         with pytest.raises(ft.CheckpointError, match="shard_0.pt: missing"):
             ft.read_shard(d, 0, ft.read_metadata(d, shapes))
         with open(ft.shard_path(d, 1), "wb") as f:
@@ -91,6 +108,64 @@ def test_read_metadata_names_the_file_and_the_problem():
         with pytest.raises(ft.CheckpointError, match="corrupted: 'world_size' is missing"):
             ft.read_metadata(d, shapes)
         assert sorted(os.listdir(d)) == ["metadata.json", "shard_1.pt"]  # a reader writes nothing
+
+
+def test_resume_refuses_what_has_no_step_to_resume_at():
+    """local_batch_size 0 and a global batch larger than the dataset were a ZeroDivisionError; a negative step was
+    taken for a step of the last epoch."""
+    sampler = solution(NOTEBOOK).ShardedSampler(52, 4, 1, drop_last=True)
+    for step, local, error, match in (
+            (0, 0, ValueError, "local_batch_size must be at least 1, got 0"),
+            (0, 14, ValueError, "14 x 4 replicas = 56 rows per step, more than the dataset \\(52 rows"),
+            (-1, 3, ValueError, "step must be at least 0, got -1"),
+            (1.0, 3, TypeError, "step must be an int")):
+        with pytest.raises(error, match=match):
+            sampler.resume(step, local)
+    sampler.resume(4, 13)  # one step per epoch: epoch 4
+    assert (sampler.epoch, sampler.start) == (4, 0)
+
+
+def test_tensors_of_any_dtype_and_size_round_trip_on_every_world_size():
+    """int64 beyond 2**53, float32, bfloat16 and a tensor with no elements, saved on N and loaded on M ranks (N, M in
+    1..4; ranks that hold only padding among them): bit for bit, each in its own dtype."""
+    sol = solution(NOTEBOOK)
+    verify_any_tensors(ft.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint), [1, 2, 3, 4],
+                       [1, 2, 3, 4])
+
+
+def _dcp_main(rank, world_size, directory, save, tensors):
+    """torch.distributed.checkpoint with each tensor a DTensor sharded along dim 0 (unevenly where it must)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {name: distribute_tensor(t if save else torch.zeros_like(t), mesh, [Shard(0)])
+             for name, t in tensors.items()}
+    (dcp.save if save else dcp.load)(state, checkpoint_id=directory)
+    return {name: d.full_tensor() for name, d in state.items()}
+
+
+def _ours_main(rank, world_size, load_checkpoint, directory, shapes):
+    return load_checkpoint(directory, shapes, rank, world_size).sharded
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(4, 2), (1, 3), (3, 4)])
+def test_any_tensors_load_as_torch_distributed_checkpoint_loads_them(saved_on, loaded_on, tmp_path):
+    """The same tensors saved by dcp.save and by save_checkpoint on N ranks, loaded on M: the same dtypes and bits
+    (DCP keeps each tensor's dtype in its metadata too)."""
+    sol = solution(NOTEBOOK)
+    tensors = any_tensors()
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    spawn(_dcp_main, saved_on, str(tmp_path / "dcp"), True, tensors)
+    theirs = spawn(_dcp_main, loaded_on, str(tmp_path / "dcp"), False, tensors)[0]
+    (tmp_path / "ours").mkdir()
+    spawn(_save_any_main, saved_on, sol.save_checkpoint, str(tmp_path / "ours"))
+    shards = spawn(_ours_main, loaded_on, sol.load_checkpoint, str(tmp_path / "ours"), shapes)
+    for name, shape in shapes.items():
+        ours = fsdp.gather_shards([[s[name]] for s in shards], [shape])[0]
+        assert ours.dtype == theirs[name].dtype == tensors[name].dtype
+        assert torch.equal(ours, theirs[name]) and torch.equal(ours, tensors[name])
 
 
 def test_steps_per_epoch_do_not_depend_on_the_world_size():
@@ -182,6 +257,16 @@ CHECKPOINT = [
       "    for old_rank in range(saved_on):\n        old_shard(old_rank)\n"
       "    sharded = {}\n    for name, shape in shapes.items():\n"},
      "read the old shards \\[.*\\] \\(saved on 4 ranks\\); it needs"),
+    # a rank that holds only padding of a tensor makes its shard in float64, whatever was saved
+    ({'torch.zeros(0, dtype=metadata["dtypes"][name])': "torch.zeros(0, dtype=torch.float64)"},
+     "num_batches_tracked, torch.int64 of shape \\(1,\\), saved on 4 ranks, loaded on 2: rank 1's shard is "
+     "torch.float64: rank 1 holds only padding of it .* make its shard with the saved dtype"),
+    # every dtype taken for float64 when the shards are put together
+    ({"mine = torch.cat(pieces) if pieces": "mine = torch.cat(pieces).double() if pieces"},
+     "num_batches_tracked, torch.int64 .* loaded on 1: rank 0's shard is torch.float64: keep the dtype"),
+    # the dtypes left out of the metadata
+    ({',\n                                      "dtypes": {name: str(tensor.dtype) for name, tensor in '
+      'state.sharded.items()}})': "})"}, "the metadata's 'dtypes' is None; it must give every tensor's dtype"),
     # the metadata read by hand: a corrupted file's error does not name it
     ({"    metadata = ft.read_metadata(directory, shapes)\n":
       "    metadata = __import__('json').load(open(ft.metadata_path(directory)))\n"},

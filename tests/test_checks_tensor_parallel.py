@@ -1,14 +1,19 @@
 """The notebook 03 checks (utils.checks.tensor_parallel): the solution passes at any world size; each typical wrong
 answer, written as a small edit of the solution notebook's own code, fails at its own check with a hint naming it."""
 import pytest
+import torch
 
+from utils import pytorch_reference
 from utils import tensor_parallel as tp
+from utils.checks import max_abs_diff
 from utils.checks.tensor_parallel import (
     check_all_gather_forward,
     check_parallel_linear,
     check_parallel_regions,
     check_tensor_parallel_mlp,
 )
+from utils.launch import RankError, spawn
+from utils.model import build_mlp, layer_weight, make_batch
 from utils.notebooks import solution
 
 NAME = "03_tensor_parallel"
@@ -45,21 +50,70 @@ def test_sizes_name_both_numbers():
         check_parallel_linear(*linears(solution(NAME)), 4, 10, BATCH_SIZE)
 
 
+def test_features_the_world_size_does_not_divide_are_refused_naming_both():
+    """torch.chunk would give 3 pieces of 2 for 6 features on 4 ranks (IndexError on rank 3), or unequal ones."""
+    sol = solution(NAME)
+    weight = torch.randn(6, 8, dtype=torch.float64)
+    for make in (sol.ColumnParallelLinear, lambda w, r, n: tp.column_shard(w, r, n)):
+        with pytest.raises(ValueError, match="out features 6 is not divisible by world size 4: each rank must hold"):
+            make(weight, 3, 4)
+    for make in (sol.RowParallelLinear, lambda w, r, n: tp.row_shard(w, r, n)):
+        with pytest.raises(ValueError, match="in features 6 is not divisible by world size 4"):
+            make(weight.T, 0, 4)
+
+
+def _uneven_gather_main(rank, world_size, all_gather_forward, rows_on_rank_0):
+    w = layer_weight(4, 0, 0)
+    shard = w[:rows_on_rank_0] if rank == 0 else w[rows_on_rank_0:]
+    return all_gather_forward(make_batch(2, 4, 0), [shard])
+
+
+def test_shards_cut_unevenly_get_an_error_naming_each_ranks_size():
+    """gloo aborts the process on an all-gather of unequal pieces: the sizes are compared first."""
+    with pytest.raises(RankError, match="ValueError: all_gather_forward: the output features of layer 0's shard "
+                                        "differ between ranks: 3 on rank 0, 1 on rank 1"):
+        spawn(_uneven_gather_main, 2, solution(NAME).all_gather_forward, 3)
+
+
+def _sequence_main(rank, world_size, ColumnParallelLinear, RowParallelLinear, x):
+    ours = tp.build_tp_mlp(ColumnParallelLinear, RowParallelLinear, rank, world_size, HIDDEN_DIM, NUM_LAYERS)
+    theirs = pytorch_reference.tensor_parallel_mlp(world_size, HIDDEN_DIM, NUM_LAYERS, 0)
+    with torch.no_grad():
+        return ours(x), tp.local_part(theirs(x))
+
+
+def test_activations_with_a_sequence_dimension():
+    """(batch, sequence, hidden), as the transformer notebooks have them: the tensor parallel MLP built from the
+    solution's layers and DTensor's equal the single-process MLP on every rank."""
+    x = torch.randn(3, 5, HIDDEN_DIM, dtype=torch.float64)
+    with torch.no_grad():
+        want = build_mlp(HIDDEN_DIM, NUM_LAYERS, 0)(x)
+    for ours, theirs in spawn(_sequence_main, 3, *linears(solution(NAME)), x):
+        assert ours.shape == theirs.shape == want.shape
+        assert max_abs_diff(ours, want) < 1e-12 and max_abs_diff(theirs, want) < 1e-12
+
+
 # ---------------------------------------------------------------- all_gather_forward: wrong answers
 
-CAT = "        x = torch.cat(pieces, dim=1)\n"
+CAT = "        x = torch.cat(pieces, dim=-1)\n"
 GATHER_MISTAKES = {
     "no gather": ({"        pieces = [torch.empty_like(y) for _ in range(world_size)]\n": "",
                    "        dist.all_gather(pieces, y)\n": "", CAT: "        x = y\n"},
                   "this rank's features only: all-gather"),
-    "wrong order": ({CAT: "        x = torch.cat(pieces[::-1], dim=1)\n"}, "wrong order .* in rank order"),
-    "wrong dim": ({CAT: "        x = torch.cat(pieces, dim=0)\n"}, "stacked along the batch, dim 0"),
+    "wrong order": ({CAT: "        x = torch.cat(pieces[::-1], dim=-1)\n"}, "wrong order .* in rank order"),
+    "joined along the batch": ({CAT: "        x = torch.cat(pieces, dim=0)\n"},
+                               "joined along the batch, dim 0: concatenate them along the features, the last "
+                               "dimension, dim=-1"),
+    "joined along the sequence (dim 1: right for (B, h) only)": (
+        {CAT: "        x = torch.cat(pieces, dim=1)\n"},
+        "\\(batch, sequence, hidden\\) = \\(6, 3, 12\\): .* joined along the sequence, dim 1: "
+        "concatenate them along the features, the last dimension"),
     "one tensor N times": ({"[torch.empty_like(y) for _ in range(world_size)]": "[torch.empty_like(y)] * world_size"},
                            "holds one tensor 3 times"),
     "no GELU": ({"        y = F.gelu(x @ w.T)\n": "        y = x @ w.T\n"}, "hold no rank's slice .* gelu"),
     "gathered list never filled": ({"        dist.all_gather(pieces, y)\n": ""},
                                    "hold no rank's slice \\(NaN or uninitialised memory\\)|hold no rank's slice"),
-    "input never updated": ({CAT: "        out = torch.cat(pieces, dim=1)\n",
+    "input never updated": ({CAT: "        out = torch.cat(pieces, dim=-1)\n",
                              "### END SOLUTION\n    return x": "### END SOLUTION\n    return out"},
                             "take the previous layer's whole .* output as its input"),
     "extra all-gather": ({"        dist.all_gather(pieces, y)\n": "        dist.all_gather(pieces, y)\n"
@@ -72,7 +126,7 @@ GATHER_MISTAKES = {
 def test_a_wrong_all_gather_forward_fails_and_names_the_mistake(mistake):
     replace, hint = GATHER_MISTAKES[mistake]
     wrong = solution(NAME, replace=replace)
-    with pytest.raises(AssertionError, match="all_gather_forward on rank 0 of 3: .*" + hint):
+    with pytest.raises(AssertionError, match="all_gather_forward on rank 0 of 3, x of shape .*" + hint):
         check_all_gather_forward(wrong.all_gather_forward, 3, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
 
 

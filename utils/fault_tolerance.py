@@ -97,6 +97,17 @@ def check_sampler_sizes(dataset_size, num_replicas, rank):
     return dataset_size, num_replicas, rank
 
 
+def check_resume(dataset_size, num_replicas, step, local_batch_size):
+    """A sampler's resume(step, local_batch_size): a step count of at least 0, and a global batch of at least one
+    row and no more than the dataset (an epoch of no step has nowhere to resume)."""
+    step, local_batch_size = check_int("step", step, 0), check_int("local_batch_size", local_batch_size)
+    global_batch_size = local_batch_size * num_replicas
+    if global_batch_size > dataset_size:
+        raise ValueError(f"local_batch_size {local_batch_size} x {num_replicas} replicas = {global_batch_size} rows "
+                         f"per step, more than the dataset ({dataset_size} rows): an epoch would have no step")
+    return step, local_batch_size
+
+
 def local_batch_size(global_batch_size, world_size):
     return divide("global_batch_size", global_batch_size, "world_size", world_size, EACH_RANK_SAME_ROWS)
 
@@ -258,7 +269,7 @@ def read_metadata(directory, shapes):
                               f"(the metadata is written last)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupted: not valid JSON ({e})") from None
-    needed = {"world_size": int, "shapes": dict, "step": int, "sampler": dict, "shard_bytes": list}
+    needed = {"world_size": int, "shapes": dict, "dtypes": dict, "step": int, "sampler": dict, "shard_bytes": list}
     for key, kind in needed.items():
         if not isinstance(metadata, dict) or not isinstance(metadata.get(key), kind):
             raise CheckpointError(f"{path}: corrupted: '{key}' is missing or not a {kind.__name__}")
@@ -272,8 +283,21 @@ def read_metadata(directory, shapes):
         if saved[name] != tuple(shape):
             raise CheckpointError(f"{path}: '{name}' has shape {saved[name]} in the checkpoint, {tuple(shape)} in "
                                   f"the model: the checkpoint is from another model")
-    metadata["shapes"] = saved
+    metadata["shapes"], metadata["dtypes"] = saved, _saved_dtypes(path, metadata["dtypes"], shapes)
     return metadata
+
+
+def _saved_dtypes(path, names, shapes):
+    """{name: torch.dtype} from the metadata's {name: "torch.int64", ...}: each tensor comes back in its own dtype,
+    on a rank that holds only padding of it too."""
+    dtypes = {}
+    for name in shapes:
+        dtype = getattr(torch, str(names.get(name)).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{path}: corrupted: the dtype of '{name}' is {names.get(name)!r}, not a torch "
+                                  f"dtype")
+        dtypes[name] = dtype
+    return dtypes
 
 
 def read_shard(directory, rank, metadata):

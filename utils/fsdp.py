@@ -56,8 +56,8 @@ def check_sizes(batch_size, world_size):
 # ---------------------------------------------------------------- shards
 
 def shard_numel(numel, world_size):
-    """Elements per shard: ceil(numel / N), so that N shards cover the unit, padding included."""
-    return math.ceil(check_int("numel", numel) / check_int("world_size", world_size))
+    """Elements per shard: ceil(numel / N), so that N shards cover the unit, padding included (none: none)."""
+    return math.ceil(check_int("numel", numel, 0) / check_int("world_size", world_size))
 
 
 def flat_padded(tensor, world_size):

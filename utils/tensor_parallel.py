@@ -7,6 +7,7 @@ a slice of the input features). Every shard is cut from `utils.model.layer_weigh
 the reference's slice.
 """
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -24,6 +25,16 @@ def check_sizes(hidden_dim, world_size, num_layers=2):
     return local_dim
 
 
+FEATURES = {0: "out_features", 1: "in_features"}  # what W (out, in) holds along each dimension
+
+
+def features_per_rank(weight, dim, world_size):
+    """How many of W's features along `dim` (0: output, 1: input) each rank holds: a ValueError naming the sizes
+    unless the world size divides them (torch.chunk would give fewer pieces than ranks, or unequal ones)."""
+    return divide(FEATURES[dim], weight.shape[dim], "world_size", world_size,
+                  "each rank must hold the same number of features")
+
+
 def shard_range(hidden_dim, rank, world_size):
     """The features rank `rank` owns: [rank * h/N, (rank + 1) * h/N)."""
     local = check_sizes(hidden_dim, world_size)
@@ -32,12 +43,32 @@ def shard_range(hidden_dim, rank, world_size):
 
 def column_shard(weight, rank, world_size):
     """Rows of W (out, in): this rank's output features."""
-    return weight[shard_range(weight.shape[0], rank, world_size), :]
+    local = features_per_rank(weight, 0, world_size)
+    return weight[rank * local:(rank + 1) * local, :]
 
 
 def row_shard(weight, rank, world_size):
     """Columns of W (out, in): this rank's input features."""
-    return weight[:, shard_range(weight.shape[1], rank, world_size)]
+    local = features_per_rank(weight, 1, world_size)
+    return weight[:, rank * local:(rank + 1) * local]
+
+
+def check_gathered_pieces(x, shards):
+    """Before all_gather_forward moves any activation: every rank's piece of each layer's output, (*x.shape[:-1],
+    rows of its shard), must be the same size on every rank, or gloo aborts the process inside the all-gather. One
+    all-reduce of a few integers (each rank fills its own row of a zero table) tells every rank every rank's sizes;
+    a ValueError names them."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sizes = torch.zeros(world_size, 1 + len(shards), dtype=torch.int64)
+    sizes[rank] = torch.tensor([x.shape[:-1].numel()] + [w.shape[0] for w in shards])
+    dist.all_reduce(sizes)
+    for column, what in enumerate(["rows of x (all but its last dimension)"] + [
+            f"output features of layer {i}'s shard" for i in range(len(shards))]):
+        if len(set(sizes[:, column].tolist())) > 1:
+            raise ValueError(f"all_gather_forward: the {what} differ between ranks: "
+                             + ", ".join(f"{n} on rank {r}" for r, n in enumerate(sizes[:, column].tolist()))
+                             + "; an all-gather needs the same size on every rank (cut each weight with "
+                               "tp.column_shard, which refuses sizes the world size does not divide)")
 
 
 def is_column(layer):

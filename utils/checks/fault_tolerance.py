@@ -13,6 +13,7 @@ the controller over RPC.
   final weights against the single-process run and PyTorch's SPMD pipeline (ScheduleGPipe).
 """
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -275,6 +276,12 @@ def _verify_files(directory, sizes, world_size):
     if files != want:
         raise AssertionError(f"save_checkpoint on {world_size} ranks wrote {sorted(files)}; expected "
                              f"{sorted(want)}: one file per rank (ft.shard_path) and rank 0's metadata")
+    with open(ft.metadata_path(directory)) as f:
+        dtypes = json.load(f).get("dtypes")
+    if not isinstance(dtypes, dict) or set(dtypes) != set(sizes.shapes()):
+        raise AssertionError(f"the metadata's 'dtypes' is {str(dtypes)[:60]}; it must give every tensor's dtype, "
+                             f"{{name: str(tensor.dtype)}} for each of state.sharded: a rank that holds only padding "
+                             f"of a tensor reads no file for it, and makes its shard in that dtype")
     for rank in range(world_size):
         try:
             saved = torch.load(ft.shard_path(directory, rank), weights_only=True)
@@ -429,8 +436,6 @@ def _verify_bad_input(student, directory, sizes):
 
 
 def _drop_key(directory, key):
-    import json
-
     with open(ft.metadata_path(directory)) as f:
         metadata = json.load(f)
     del metadata[key]
@@ -441,6 +446,61 @@ def _drop_key(directory, key):
 def _truncate(path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
+
+
+def any_tensors():
+    """{name: full tensor}: what a state may hold besides the run's float64 weights. Fewer elements than ranks, so
+    that some ranks hold only padding: an int64 counter not exact in float64, float32, bfloat16, none at all."""
+    return {"num_batches_tracked": torch.tensor([2**53 + 1]),
+            "tokens_seen": torch.tensor([[2**62 + 3, -5, 2**53 + 1]]),
+            "scale": torch.tensor([0.1, -3.5, 1e-30], dtype=torch.float32),
+            "bias": torch.tensor([1 / 3, -7.0], dtype=torch.bfloat16),
+            "empty": torch.zeros(0, 4, dtype=torch.float64)}
+
+
+def _save_any_main(rank, world_size, save_checkpoint, directory):
+    tensors = any_tensors()
+    state = ft.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, 3,
+                          {"seed": 0, "step": 3}, torch.get_rng_state())
+    save_checkpoint(directory, state, {name: tuple(t.shape) for name, t in tensors.items()}, rank, world_size)
+
+
+def _load_any_main(rank, world_size, load_checkpoint, directories):
+    shapes = {name: tuple(t.shape) for name, t in any_tensors().items()}
+    return [load_checkpoint(directory, shapes, rank, world_size).sharded for directory in directories]
+
+
+def verify_any_tensors(student, saved_on, loaded_on):
+    """any_tensors() saved on each of `saved_on` world sizes, loaded on each of `loaded_on`: every tensor comes
+    back bit for bit, every rank's shard in the tensor's own dtype (ranks holding only padding too)."""
+    tensors = any_tensors()
+    with ft.temporary_checkpoint_folder() as root:
+        folders = [os.path.join(root, str(n)) for n in saved_on]
+        for n, folder in zip(saved_on, folders):
+            os.makedirs(folder, exist_ok=True)
+            _spawn(_save_any_main, n, "save_checkpoint", student.save_checkpoint, folder)
+        for m in loaded_on:
+            loaded = _spawn(_load_any_main, m, "load_checkpoint", student.load_checkpoint, folders)
+            for i, n in enumerate(saved_on):
+                for name, full in tensors.items():
+                    _verify_any_tensor(f"{name}, {full.dtype} of shape {tuple(full.shape)}, saved on {n} ranks, "
+                                       f"loaded on {m}", full, [shards[i][name] for shards in loaded])
+
+
+def _verify_any_tensor(where, full, shards):
+    per_rank = fsdp.shard_numel(full.numel(), len(shards))
+    for rank, shard in enumerate(shards):
+        if shard.dtype != full.dtype:
+            held = min(per_rank, max(0, full.numel() - rank * per_rank))
+            why = (f"rank {rank} holds only padding of it ({full.numel()} elements, {per_rank} per rank): it reads "
+                   f"no file for it, so make its shard with the saved dtype (the metadata's dtypes)" if held == 0
+                   else "keep the dtype of what was saved")
+            raise AssertionError(f"{where}: rank {rank}'s shard is {shard.dtype}: {why}")
+    got = fsdp.gather_shards([[shard] for shard in shards], [full.shape])[0]
+    if not torch.equal(got, full):
+        raise AssertionError(f"{where}: gathered, it is {got.flatten()[:4].tolist()}..., saved "
+                             f"{full.flatten()[:4].tolist()}...: each rank takes its range of the full flat tensor "
+                             f"from the old shards that hold it")
 
 
 def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, sizes, stop_after):
@@ -467,6 +527,8 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
             worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
         _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
         broken = _verify_bad_input(student, directory, sizes)
+    any_sizes = runnable_world_sizes([1, 2, 3, 4])
+    verify_any_tensors(student, [world_size], any_sizes)
     others = [n for n in world_sizes if n != world_size]
     print(f"save_checkpoint / load_checkpoint: correct. Saved on {world_size} ranks after {stop_after} of "
           f"{sizes.num_steps} steps (one shard file per rank, each with only its shards), loaded on "
@@ -476,7 +538,10 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           f"run's weights: exactly on {world_size} ranks"
           + "".join(f"; on {n} ranks within {ft.resume_tolerance(sizes):g} (max difference "
                     f"{ft.shown_difference(worst[n])})" for n in others)
-          + f". Broken copies ({', '.join(broken)}) get an error naming the file, and stay unchanged.")
+          + f". Tensors of other dtypes and sizes (int64 beyond 2**53, float32, bfloat16, one with no elements; "
+          f"fewer elements than ranks) saved on {world_size} ranks come back bit for bit, each in its own dtype, on "
+          f"{', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them. Broken copies "
+          f"({', '.join(broken)}) get an error naming the file, and stay unchanged.")
 
 
 # ---------------------------------------------------------------- the latest complete checkpoint

@@ -33,33 +33,55 @@ def _shape(value):
 
 # ---------------------------------------------------------------- section 1: all_gather_forward
 
+SEQUENCE_LENGTH = 3  # the second input: a batch of sequences, (batch, sequence, hidden), as a transformer's
+DIMENSIONS = {2: ("batch", "features"), 3: ("batch", "sequence", "features")}
+
+
+def _gather_inputs(batch_size, hidden_dim, seed):
+    """x of shape (batch, hidden), then (batch, sequence, hidden): in both, the features are the last dimension."""
+    return [make_batch(batch_size, hidden_dim, seed),
+            seeded_randn((batch_size, SEQUENCE_LENGTH, hidden_dim), seed)]
+
+
 def _gather_forward_main(rank, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed):
     shards = [tp.column_shard(layer_weight(hidden_dim, seed, i), rank, world_size) for i in range(num_layers)]
-    x = make_batch(batch_size, hidden_dim, seed)
-    one_layer = all_gather_forward(x.clone(), shards[:1])  # after one layer, each slice can be traced to its rank
-    if not isinstance(one_layer, torch.Tensor) or one_layer.shape != x.shape:
-        return one_layer, None, 0  # the parent names the mistake; more layers would only crash
-    with record_communication() as log:
-        out = all_gather_forward(x, shards)
-    return one_layer, out, calls(log, "all_gather")
+    runs = []
+    for x in _gather_inputs(batch_size, hidden_dim, seed):
+        one_layer = all_gather_forward(x.clone(), shards[:1])  # after one layer, each slice can be traced to its rank
+        if not isinstance(one_layer, torch.Tensor) or one_layer.shape != x.shape:
+            return runs + [(one_layer, None, 0)]  # the parent names the mistake; more layers would only crash
+        with record_communication() as log:
+            out = all_gather_forward(x, shards)
+        runs.append((one_layer, out, calls(log, "all_gather")))
+    return runs
 
 
-def _first_layer_slices(hidden_dim, batch_size, world_size, seed):
+def _first_layer_slices(x, hidden_dim, world_size, seed):
     """Each rank's slice of the first layer's output, as one process computes it."""
-    x, w = make_batch(batch_size, hidden_dim, seed), layer_weight(hidden_dim, seed, 0)
+    w = layer_weight(hidden_dim, seed, 0)
     return [F.gelu(x @ tp.column_shard(w, r, world_size).T) for r in range(world_size)]
 
 
+def _joined_along(got, slices):
+    """The dimension along which `got` stacks the slices when that is not the features' (None if it does not)."""
+    n, shape = len(slices), tuple(slices[0].shape)
+    return next((d for d in range(len(shape) - 1) if _shape(got) == shape[:d] + (n * shape[d],) + shape[d + 1:]),
+                None)
+
+
 def _check_gathered_slices(where, got, slices):
-    """One layer's gathered activation: every rank's slice, in rank order along the features."""
-    n, (batch, local_dim) = len(slices), slices[0].shape
-    if not isinstance(got, torch.Tensor) or got.shape != (batch, n * local_dim):
-        hint = {(batch, local_dim): " (this rank's features only: all-gather the slices after each layer)",
-                (n * batch, local_dim): " (the slices are stacked along the batch, dim 0: concatenate them along "
-                                        "the features, dim 1)"}.get(_shape(got), "")
-        raise AssertionError(f"{where}: after one layer, expected the whole activation, shape {(batch, n * local_dim)}"
-                             f", got {_shape(got)}{hint}")
-    blocks = got.tensor_split(n, dim=1)
+    """One layer's gathered activation: every rank's slice, in rank order along the features (the last dimension)."""
+    n, (*lead, local_dim) = len(slices), slices[0].shape
+    want = (*lead, n * local_dim)
+    if not isinstance(got, torch.Tensor) or got.shape != want:
+        joined, names = _joined_along(got, slices), DIMENSIONS.get(len(want), ())
+        hint = (" (this rank's features only: all-gather the slices after each layer)"
+                if _shape(got) == tuple(slices[0].shape) else
+                f" (the slices are joined along the {names[joined]}, dim {joined}: concatenate them along the "
+                f"features, the last dimension, dim=-1)" if joined is not None and names else "")
+        raise AssertionError(f"{where}: after one layer, expected the whole activation, shape {want}, got "
+                             f"{_shape(got)}{hint}")
+    blocks = got.tensor_split(n, dim=-1)
     owners = [next((r for r in range(n) if _close(block, slices[r])), None) for block in blocks]
     if owners == list(range(n)):
         return
@@ -72,7 +94,7 @@ def _check_gathered_slices(where, got, slices):
                              f"the slices of ranks {owners}, in that order): concatenate the gathered list in rank "
                              f"order")
     missing = [j for j, owner in enumerate(owners) if owner is None]
-    difference = max_abs_diff(got, torch.cat(slices, dim=1))
+    difference = max_abs_diff(got, torch.cat(slices, dim=-1))
     seen = ("NaN or uninitialised memory" if difference == float("inf") else
             f"values up to {difference:.3g} away from the single-process layer's")
     raise AssertionError(f"{where}: after one layer, feature block(s) {missing} of the gathered activation hold no "
@@ -81,24 +103,31 @@ def _check_gathered_slices(where, got, slices):
 
 
 def check_all_gather_forward(all_gather_forward, world_size, hidden_dim, num_layers, batch_size, seed=0):
-    """Every layer column-sharded, the activations all-gathered after each: every rank ends with the whole output."""
+    """Every layer column-sharded, the activations all-gathered after each: every rank ends with the whole output,
+    for x of shape (batch, hidden) and (batch, sequence, hidden)."""
     tp.check_sizes(hidden_dim, world_size)
     results = spawn(_gather_forward_main, world_size, all_gather_forward, hidden_dim, num_layers, batch_size, seed,
                     timeout=CHECK_TIMEOUT)
-    slices = _first_layer_slices(hidden_dim, batch_size, world_size, seed)
-    with torch.no_grad():
-        want = build_mlp(hidden_dim, num_layers, seed)(make_batch(batch_size, hidden_dim, seed))
-    for rank, (one_layer, out, gathers) in enumerate(results):
-        where = f"all_gather_forward on rank {rank} of {world_size}"
-        _check_gathered_slices(where, one_layer, slices)
-        if not _close(out, want):
-            raise AssertionError(f"{where}: one layer is right, but the output of {num_layers} differs from the "
-                                 f"single-process MLP's: each layer must take the previous layer's whole (gathered) "
-                                 f"output as its input")
-        if gathers != num_layers:
-            raise AssertionError(f"{where}: {gathers} all-gathers for {num_layers} layers; expected one per layer")
-    print(f"all_gather_forward: correct on {world_size} ranks, {num_layers} layers; every rank's output equals the "
-          f"single-process MLP's to {TOLERANCE:g}, with one all-gather per layer")
+    mlp = build_mlp(hidden_dim, num_layers, seed)
+    for x_index, x in enumerate(_gather_inputs(batch_size, hidden_dim, seed)):
+        slices = _first_layer_slices(x, hidden_dim, world_size, seed)
+        with torch.no_grad():
+            want = mlp(x)
+        names = ", ".join(DIMENSIONS[x.dim()][:-1] + ("hidden",))
+        for rank, runs in enumerate(results):
+            one_layer, out, gathers = runs[x_index]
+            where = f"all_gather_forward on rank {rank} of {world_size}, x of shape ({names}) = {tuple(x.shape)}"
+            _check_gathered_slices(where, one_layer, slices)
+            if not _close(out, want):
+                raise AssertionError(f"{where}: one layer is right, but the output of {num_layers} differs from the "
+                                     f"single-process MLP's: each layer must take the previous layer's whole "
+                                     f"(gathered) output as its input")
+            if gathers != num_layers:
+                raise AssertionError(f"{where}: {gathers} all-gathers for {num_layers} layers; expected one per "
+                                     f"layer")
+    print(f"all_gather_forward: correct on {world_size} ranks, {num_layers} layers, x of shape (batch, hidden) and "
+          f"(batch, sequence, hidden); every rank's output equals the single-process MLP's to {TOLERANCE:g}, with one "
+          f"all-gather per layer")
 
 
 # ---------------------------------------------------------------- section 2: the parallel regions
