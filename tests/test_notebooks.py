@@ -116,6 +116,15 @@ def test_repository_notebooks_are_in_sync_with_the_solutions():
     assert notebooks.stale_notebooks() == [], "run `python -m utils.notebooks`"
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_every_solution_has_a_parameters_cell_with_the_world_size_from_the_environment(name):
+    """papermill, torchrun, the hidden-value runs of utils.grade and an instructor set a notebook's values there."""
+    cells = [c for c in nbformat.read(ROOT / "solutions" / name, as_version=4).cells
+             if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{name}: {len(cells)} cells tagged 'parameters', not 1"
+    assert 'WORLD_SIZE = int(os.environ.get("WORLD_SIZE", ' in cells[0].source, f"{name}: no WORLD_SIZE in it"
+
+
 def test_script_export_drops_error_demos_and_refuses_magics():
     nb = new_notebook(cells=[new_code_cell("a = 1"), new_code_cell("raise ValueError"), new_markdown_cell("x")])
     nb.cells[1].metadata["tags"] = ["raises-exception"]
