@@ -98,8 +98,9 @@ def test_an_exchange_that_deadlocks_ends_in_a_timeout_that_says_why(mistake, new
     ("the receive never waited for", "    receive = dist.irecv(recv_tensor, src=src)\n"
                                      "    send = dist.isend(send_tensor, dst=dst)\n    send.wait()\n"),
 ])
-def test_an_exchange_that_forgets_a_wait_ends_in_a_timeout_that_names_it(mistake, new):
-    with pytest.raises(TimeoutError, match="(?s)a request is never waited for: wait for both.*did not finish"):
+def test_an_exchange_that_forgets_a_wait_ends_in_an_error_that_names_it(mistake, new):
+    """A stall when gloo leaves the partner waiting; else (the bytes went through in time) the log names it."""
+    with pytest.raises((TimeoutError, AssertionError), match="(?s)never waited for: wait for both"):
         check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
 
 

@@ -93,6 +93,11 @@ def exchange_order_problem(log, nbytes):
                 f"works, but this rank's send and receive run one after the other, not at the same time, and if "
                 f"every rank sent first they would all wait for each other. Start both with dist.isend and "
                 f"dist.irecv, then wait for both")
+    forgotten = [call.name for call in log if call.name in ("isend", "irecv") and call.waited_at is None]
+    if forgotten:  # it may have worked this time: gloo had sent the few bytes before the rank moved on
+        return (f"its dist.{forgotten[0]} is never waited for: wait for both the isend and the irecv before "
+                f"returning (a receive may not have arrived yet, and on gloo a send whose handle nobody waits for "
+                f"can leave its partner waiting)")
     transfers = [call for call in log if call.name in SENDS + RECEIVES]
     for early in transfers:
         late = [call for call in transfers if call.started_at > (early.waited_at if early.waited_at is not None
