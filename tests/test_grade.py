@@ -163,8 +163,9 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_class_of_05_with_hidden_parameters(tmp_path, monkeypatch):
-    """The multi-process-heavy notebook: right answers pass at both world sizes; a wrong one fails with its hint;
-    an answer right only at the notebook's world size fails at the hidden one; the shipped copy is not attempted."""
+    """The multi-process-heavy notebook, at a hidden world size of 2 (05's batch of 8 does not split on 3): right
+    answers pass at both world sizes; a wrong one fails with its hint; an answer right only at 4 ranks fails; the
+    shipped copy is not attempted."""
     rs = "    dist.reduce_scatter_single(shard, flat)\n"
     scatter = rs + "    return shard / world_size\n"
     write_class(tmp_path / "submitted", {
@@ -173,12 +174,13 @@ def test_a_class_of_05_with_hidden_parameters(tmp_path, monkeypatch):
         "carol": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: rs + "    return shard\n"})),
         "dan": ("05_fsdp.ipynb", handed_in("05_fsdp", replace={scatter: rs + "    return shard / 4\n"})),
     })
-    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600", "--params", "WORLD_SIZE = 3")
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600", "--params", "WORLD_SIZE = 2")
     assert {r["verdict"] for r in rows["alice"]} == {"passed"}, rows["alice"]
     assert {r["verdict"] for r in rows["bob"]} == {"not attempted"}
     carol = {r["exercise"]: r for r in rows["carol"]}
     assert carol["gather_parameters, Zero1AdamW"]["verdict"] == "passed"
     assert carol["reduce_scatter_gradient, Zero2AdamW"]["verdict"] == "failed"
     dan = {r["exercise"]: r for r in rows["dan"]}["reduce_scatter_gradient, Zero2AdamW"]
-    assert dan["verdict"] == "failed" and dan["message"].startswith("with WORLD_SIZE = 3: "), dan
+    # right at 4 ranks only: 05's own checks also run on 3 ranks, so it fails at the notebook's values already
+    assert dan["verdict"] == "failed" and "on 3 ranks" in dan["message"], dan
     assert not left
