@@ -35,22 +35,24 @@ def features_per_rank(weight, dim, world_size):
                   "each rank must hold the same number of features")
 
 
+def rank_slice(local, rank):
+    """Rank `rank`'s `local` features out of N * local: [rank * local, (rank + 1) * local)."""
+    return slice(rank * local, (rank + 1) * local)
+
+
 def shard_range(hidden_dim, rank, world_size):
     """The features rank `rank` owns: [rank * h/N, (rank + 1) * h/N)."""
-    local = check_sizes(hidden_dim, world_size)
-    return slice(rank * local, (rank + 1) * local)
+    return rank_slice(check_sizes(hidden_dim, world_size), rank)
 
 
 def column_shard(weight, rank, world_size):
     """Rows of W (out, in): this rank's output features."""
-    local = features_per_rank(weight, 0, world_size)
-    return weight[rank * local:(rank + 1) * local, :]
+    return weight[rank_slice(features_per_rank(weight, 0, world_size), rank), :]
 
 
 def row_shard(weight, rank, world_size):
     """Columns of W (out, in): this rank's input features."""
-    local = features_per_rank(weight, 1, world_size)
-    return weight[:, rank * local:(rank + 1) * local]
+    return weight[:, rank_slice(features_per_rank(weight, 1, world_size), rank)]
 
 
 def check_gathered_pieces(x, shards):
