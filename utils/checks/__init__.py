@@ -8,6 +8,8 @@ this one holds what they share.
 """
 import torch
 
+from utils.launch import RankError, spawn
+
 TOLERANCE = 1e-12  # float64 results that only differ in the order of additions
 CHECK_TIMEOUT = 20  # seconds: a rank that skips a collective ends the check, not the notebook
 
@@ -16,6 +18,25 @@ def seeded_randn(shape, seed, rank=0, dtype=torch.float64):
     """The same 'random' tensor in any process: it depends only on (seed, rank, shape)."""
     generator = torch.Generator().manual_seed(1000 * seed + rank)
     return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"  # gloo aborts the receiving process
+
+
+def spawn_explaining_stalls(fn, world_size, *args, timeout, hint, sizes=""):
+    """spawn; a stall is still a TimeoutError, its message opened by `hint`, what usually causes it in the exercise at
+    hand; a receive into a buffer of the wrong size (gloo aborts the process) an AssertionError that says so, and
+    `sizes`: how the exercise's messages should be sized."""
+    try:
+        return spawn(fn, world_size, *args, timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(f"{hint}.\n{e}") from None
+    except RankError as e:
+        if GLOO_SIZE_MISMATCH not in str(e):
+            raise
+        raise AssertionError(f"{e.args[0].splitlines()[0]}: a message arrived whose size is not its receive buffer's: "
+                             f"gloo ends the process. Every irecv's buffer must have exactly the size of what its "
+                             f"neighbour sends in that step{'; ' + sizes if sizes else ''}") from None
 
 
 def max_abs_diff(a, b):

@@ -14,10 +14,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
+from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn, spawn_explaining_stalls
 from utils.counting import bytes_sent
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.launch import runnable_world_sizes
 
 RING_DTYPES = (torch.float64, torch.float32, torch.int64)
 RING_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.int64: 0}
@@ -44,24 +44,8 @@ def _ranks(ranks):
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"  # gloo aborts the receiving process
-
-
-def _spawn_explaining_stalls(fn, world_size, *args, timeout, hint):
-    """spawn; a stall is still a TimeoutError, its message opened by what usually causes it here; a receive
-    into a buffer of the wrong size (gloo aborts the process) an AssertionError that says so."""
-    try:
-        return spawn(fn, world_size, *args, timeout=timeout)
-    except TimeoutError as e:
-        raise TimeoutError(f"{hint}.\n{e}") from None
-    except RankError as e:
-        if GLOO_SIZE_MISMATCH not in str(e):
-            raise
-        raise AssertionError(f"{e.args[0].splitlines()[0]}: a message arrived whose size is not its receive "
-                             f"buffer's: gloo ends the process. Every irecv's buffer must have exactly the size "
-                             f"of what its neighbour sends in that step (torch.tensor_split makes chunks of "
-                             f"unequal sizes: receive chunk k into a buffer of chunk k's size), and a receive "
-                             f"without src must not catch another rank's message") from None
+CHUNK_SIZES = ("torch.tensor_split makes chunks of unequal sizes: receive chunk k into a buffer of chunk k's size, "
+               "and a receive without src must not catch another rank's message")
 
 
 # ---------------------------------------------------------------- exchange
@@ -114,7 +98,7 @@ def check_exchange(exchange, world_size, seed=0, timeout=CHECK_TIMEOUT):
     """Each rank sends to one neighbour and receives from the other, at the same time."""
     world_sizes = runnable_world_sizes(sorted({max(world_size, 2), 3}))  # one rank has no neighbour
     for n in world_sizes:
-        results = _spawn_explaining_stalls(_exchange_main, n, exchange, seed, timeout=timeout, hint=(
+        results = spawn_explaining_stalls(_exchange_main, n, exchange, seed, timeout=timeout, sizes=CHUNK_SIZES, hint=(
             "exchange hangs when a rank blocks before both transfers are started: a blocking dist.send (or "
             "dist.recv) on every rank waits for a partner that is itself waiting, or a send has no receive; or "
             "when a request is never waited for: wait for both the isend and the irecv before returning (on "
@@ -327,11 +311,12 @@ def run_ring(fn, kind, world_size, seed=0, timeout=CHECK_TIMEOUT, properties=Non
     name = fn.__name__ if getattr(fn, "__name__", "<lambda>") != "<lambda>" else f"ring_{kind}"
     world_sizes = runnable_world_sizes(sorted({world_size, 3}))
     for n in world_sizes:
-        results = _spawn_explaining_stalls(_ring_main, n, fn, kind, seed, kwargs, timeout=timeout, hint=(
-            f"{name} hangs: some rank waits for a message that never comes. Every isend needs an irecv on the "
-            f"neighbour, of the same size, posted in the same order, every rank must make the same number "
-            f"of steps, and every isend and irecv must be waited for (on gloo, a send whose handle nobody waits "
-            f"for can leave its partner waiting)"))
+        stall = (f"{name} hangs: some rank waits for a message that never comes. Every isend needs an irecv on the "
+                 f"neighbour, of the same size, posted in the same order, every rank must make the same number "
+                 f"of steps, and every isend and irecv must be waited for (on gloo, a send whose handle nobody "
+                 f"waits for can leave its partner waiting)")
+        results = spawn_explaining_stalls(_ring_main, n, fn, kind, seed, kwargs, timeout=timeout, sizes=CHUNK_SIZES,
+                                          hint=stall)
         collectives = sorted({c.name for runs in results for run in runs for c in run.log if c.name in COLLECTIVES})
         if collectives:
             raise AssertionError(f"{name} calls dist.{collectives[0]}: build it from isend and irecv "
