@@ -1,0 +1,208 @@
+"""Notebook 09's checks: the solution passes at 2, 3 and 4 ranks; each wrong answer in the catalogue fails at its own
+check with a hint that names the mistake; right answers written another way pass. Right answers come from the
+solution notebook, wrong ones are small edits of it."""
+import pytest
+import torch
+
+from utils import ring_attention as ra
+from utils.checks.context_parallel import (
+    check_blockwise_attention,
+    check_merge,
+    check_ring_attention,
+    check_ring_attention_backward,
+)
+from utils.notebooks import solution
+
+NAME = "09_context_parallel"
+SOLUTION = solution(NAME)
+
+
+def wrong(old, new):
+    return solution(NAME, replace={old: new})
+
+
+def test_the_solution_passes(capsys):
+    check_merge(SOLUTION.merge)
+    check_blockwise_attention(SOLUTION.blockwise_attention)
+    check_ring_attention(SOLUTION.ring_attention_forward, 4)
+    check_ring_attention_backward(SOLUTION.ring_attention_forward, SOLUTION.ring_attention_backward, 4)
+    out = capsys.readouterr().out
+    assert out.count("on 2, 3, 4 ranks") == 2 and "merge:" in out and "blockwise_attention:" in out
+
+
+def test_the_reference_is_pytorchs_attention():
+    q, k, v = ra.attention_inputs(2, 3, 10, 4, seed=1)
+    for mask in ra.MASKS:
+        assert (ra.reference_attention(q, k, v, mask)[0] - ra.sdpa(q, k, v, mask)).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("bad, message", [((50, 4), "not divisible by world size 4"),
+                                          ((3, 4), "shorter than the world size"), ((12, 0), "at least 1")])
+def test_sizes_that_do_not_split_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ra.check_sizes(*bad)
+
+
+def test_a_mask_the_ring_cannot_honour_is_refused():
+    with pytest.raises(ValueError, match="causal mask or none"):
+        ra.block_attention(*ra.attention_inputs(1, 1, 4, 2, 0), torch.arange(4), torch.arange(4), "sliding")
+
+
+# ---------------------------------------------------------------- merge
+
+MERGE = """    merged = torch.logaddexp(lse, block_lse)
+    out = torch.exp(lse - merged)[..., None] * out + torch.exp(block_lse - merged)[..., None] * block_out
+    return out, merged
+"""
+MERGE_MISTAKES = {
+    "averaged": ("    return (out + block_out) / 2, torch.logaddexp(lse, block_lse)\n", "averaged"),
+    "running output not rescaled": (
+        "    merged = torch.logaddexp(lse, block_lse)\n"
+        "    return out + torch.exp(block_lse - merged)[..., None] * block_out, merged\n", "not rescaled"),
+    "weights swapped": (
+        "    merged = torch.logaddexp(lse, block_lse)\n"
+        "    out = torch.exp(block_lse - merged)[..., None] * out + torch.exp(lse - merged)[..., None] * block_out\n"
+        "    return out, merged\n", "swapped"),
+    "lse is the running max": (MERGE.replace("return out, merged", "return out, torch.maximum(lse, block_lse)"),
+                               "running maximum"),
+    "lse not updated": (MERGE.replace("return out, merged", "return out, lse"), "running one, not updated"),
+    "exponentials of the lse's themselves": (
+        "    a, b = torch.exp(lse)[..., None], torch.exp(block_lse)[..., None]\n"
+        "    return (a * out + b * block_out) / (a + b), torch.log(torch.exp(lse) + torch.exp(block_lse))\n",
+        "overflow here: exponentiate differences"),
+}
+
+
+@pytest.mark.parametrize("mistake", MERGE_MISTAKES)
+def test_merge_mistakes_are_named(mistake):
+    new, hint = MERGE_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_merge(wrong(MERGE, new).merge)
+
+
+@pytest.mark.parametrize("other", [
+    # the running maximum made explicit, as FlashAttention's papers write it
+    "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
+    "    return (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None], m + torch.log(a + b)\n",
+    # the sigmoid form of ring-flash-attention
+    "    merged = lse - torch.nn.functional.logsigmoid(lse - block_lse)\n"
+    "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), merged\n",
+])
+def test_merge_written_another_way_passes(other):
+    check_merge(wrong(MERGE, other).merge)
+
+
+# ---------------------------------------------------------------- attention in blocks
+
+SKIP = "            if not ra.visible(q_pos, k_pos, mask):\n                continue\n"
+BLOCK = ("            block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :], q_pos, k_pos, "
+         "mask)\n")
+BLOCKWISE_MISTAKES = {
+    "hidden blocks computed": (SKIP, "", "skip those blocks"),
+    "no mask": (BLOCK, BLOCK.replace("q_pos, k_pos, mask)", "q_pos, k_pos, 'none')"), "without the causal mask"),
+    "positions local to the block": (BLOCK, BLOCK.replace("q_pos, k_pos, mask)", "q_pos - q_pos[0], k_pos - k_pos[0], "
+                                                                                 "mask)"), "global positions"),
+    "own block of keys only": (SKIP, "            if not torch.equal(q_pos, k_pos):\n                continue\n",
+                               "only its own block of keys"),
+    "a last block that does not fit dropped": (
+        "    for q_pos in positions.split(block_size):\n",
+        "    for q_pos in positions[:len(positions) // block_size * block_size].split(block_size):\n",
+        "positions are missing"),
+    "every query against each block of keys": (
+        "    for q_pos in positions.split(block_size):\n", "    for q_pos in [positions]:\n", "at most block_size"),
+    "lse of the last block only": ("        lses.append(lse)\n", "        lses.append(block[1])\n", "lse differs"),
+}
+
+
+@pytest.mark.parametrize("mistake", BLOCKWISE_MISTAKES)
+def test_blockwise_mistakes_are_named(mistake):
+    old, new, hint = BLOCKWISE_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_blockwise_attention(wrong(old, new).blockwise_attention)
+
+
+def test_blockwise_written_another_way_passes():
+    # slices instead of index tensors, and `break` at the first hidden block (the rest are later still)
+    other = wrong(SKIP, "            if not ra.visible(q_pos, k_pos, mask):\n                break\n")
+    check_blockwise_attention(other.blockwise_attention)
+
+
+# ---------------------------------------------------------------- ring attention, forward
+
+START = ("            transfers = [dist.isend(kv, (rank + 1) % world_size), dist.irecv(incoming, (rank - 1) % "
+         "world_size)]\n")
+RING_SKIP = "        if ra.visible(positions[rank], positions[source], mask):\n"
+RING_BLOCK = "            block = ra.block_attention(q, kv[0], kv[1], positions[rank], positions[source], mask)\n"
+WAIT = "            for transfer in transfers:\n                transfer.wait()\n            kv = incoming\n"
+RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the same neighbour
+    "waits before computing": (
+        START + "        source", START + "            for transfer in transfers:\n                transfer.wait()\n"
+        "            kv_next = incoming\n        source", "no transfer was in flight"),
+    "hidden blocks computed": (RING_SKIP + RING_BLOCK, "        if True:\n" + RING_BLOCK,
+                               "every key comes after every query"),
+    "keys masked with this rank's positions": (
+        RING_BLOCK, RING_BLOCK.replace("positions[source], mask", "positions[rank], mask"),
+        "this rank's own positions"),
+    "the other way round the ring": (
+        START, START.replace("(rank + 1)", "(rank - 1)").replace("incoming, (rank - 1)", "incoming, (rank + 1)"),
+        "one way round the ring"),
+    "blocks replaced, not merged": (
+        RING_BLOCK + "            out, lse = block if out is None else merge(out, lse, *block)\n",
+        RING_BLOCK + "            out, lse = block\n", "replaced the running result"),
+    "a receive never waited for": (WAIT, "            transfers[0].wait()\n            kv = incoming\n",
+                                   "never waited for"),
+    "all-gather instead of the ring": (
+        "    kv = torch.stack([k, v])  # one message per step\n",
+        "    kv = torch.stack([k, v])  # one message per step\n"
+        "    dist.all_gather([torch.empty_like(kv) for _ in range(world_size)], kv)\n", "calls dist.all_gather"),
+    "a transfer after the last step too": (
+        "        last = step == world_size - 1\n        if not last:\n            incoming = torch.empty_like(kv)\n"
+        + START, "        last = False\n        if not last:\n            incoming = torch.empty_like(kv)\n" + START,
+        "sent .* bytes; the ring sends"),
+}
+
+
+@pytest.mark.parametrize("mistake", RING_MISTAKES)
+def test_ring_mistakes_are_named(mistake):
+    old, new, hint = RING_MISTAKES[mistake]
+    edits = {old: new}
+    if mistake == "waits before computing":  # the block received is used after the compute, as before
+        edits[WAIT] = "            kv = kv_next\n"
+    with pytest.raises(AssertionError, match=hint):
+        check_ring_attention(solution(NAME, replace=edits).ring_attention_forward, 3, world_sizes=())
+
+
+def test_a_ring_sending_to_the_wrong_neighbour_stops_in_seconds_naming_the_ring():
+    stuck = wrong(START, START.replace("irecv(incoming, (rank - 1)", "irecv(incoming, (rank + 1)"))
+    with pytest.raises(TimeoutError, match="the ring stalls"):
+        check_ring_attention(stuck.ring_attention_forward, 3, world_sizes=(), timeout=3)
+
+
+# ---------------------------------------------------------------- ring attention, backward
+
+DKV_WAIT = ("        for transfer in dkv_transfers + ([] if last else transfers):\n            transfer.wait()\n"
+            "        dkv = incoming_dkv\n")
+BACKWARD_START = "            transfers = [dist.isend(kv, send_to), dist.irecv(incoming, receive_from)]\n"
+BACKWARD_MISTAKES = {
+    "gradients one step short of home": (
+        "        incoming_dkv = torch.empty_like(dkv)\n",
+        "        if last:\n            break\n        incoming_dkv = torch.empty_like(dkv)\n", "one step short"),
+    "gradients that never travel": (
+        "        incoming_dkv = torch.empty_like(dkv)\n"
+        "        dkv_transfers = [dist.isend(dkv, send_to), dist.irecv(incoming_dkv, receive_from)]\n" + DKV_WAIT,
+        "        for transfer in [] if last else transfers:\n            transfer.wait()\n", "did not travel"),
+    "waits for the next block before computing": (
+        BACKWARD_START, BACKWARD_START + "            for transfer in transfers:\n                transfer.wait()\n"
+        "            transfers = []\n", "no transfer was in flight"),
+    "hidden blocks computed": ("        if ra.visible(positions[rank], positions[source], mask):\n            block_dq",
+                               "        if True:\n            block_dq", "every key comes after every query"),
+}
+
+
+@pytest.mark.parametrize("mistake", BACKWARD_MISTAKES)
+def test_backward_mistakes_are_named(mistake):
+    old, new, hint = BACKWARD_MISTAKES[mistake]
+    wrong_one = wrong(old, new)
+    with pytest.raises(AssertionError, match=hint):
+        check_ring_attention_backward(SOLUTION.ring_attention_forward, wrong_one.ring_attention_backward, 3,
+                                      world_sizes=())

@@ -1,0 +1,459 @@
+"""Checks for notebook 09 (context parallel): the online-softmax merge, attention in blocks, ring attention's
+forward and backward.
+
+Every value is compared in float64 with plain attention over the whole sequence (utils.ring_attention's
+reference, itself checked against torch's scaled_dot_product_attention). When a value is wrong, the check
+computes what the usual mistakes would have produced on the same inputs and names the one that matches;
+otherwise it says what differs and where. The ring's checks also look at how it ran (utils.intercept and a
+traced block_attention): only sends and receives, every receive waited for, the next block's transfer in flight
+while a block computes, no block computed that the causal mask hides entirely, and each rank's bytes.
+"""
+import contextlib
+
+import torch
+
+from utils import ring_attention as ra
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, spawn_explaining_stalls
+from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
+from utils.launch import runnable_world_sizes
+
+WORLD_SIZES = (2, 3, 4)
+
+
+def _close(got, want):
+    return got is not None and got.shape == want.shape and max_abs_diff(got, want) < TOLERANCE * max(
+        1.0, want.abs().max().item() if want.numel() else 0.0)
+
+
+def _confirmed(got, candidates):
+    """The hint of the first candidate value `got` equals (each a (value, hint) pair), or None."""
+    for value, hint in candidates:
+        with contextlib.suppress(RuntimeError):  # a candidate of another shape: not this mistake
+            if torch.isfinite(value).all() and _close(got, value):
+                return hint
+    return None
+
+
+def _where(got, want, dim):
+    """The positions (along `dim`) where got and want differ."""
+    bad = ((got - want).abs() > TOLERANCE * max(1.0, want.abs().max().item())) | got.isnan()
+    other = [d for d in range(got.dim()) if d != dim % got.dim()]
+    rows = bad.any(dim=other) if other else bad
+    return rows.nonzero().flatten().tolist()
+
+
+# ---------------------------------------------------------------- the merge
+
+def merge_cases():
+    """(name, out_a, lse_a, out_b, lse_b, want_out, want_lse): two blocks of keys of one set of queries, merged."""
+    cases = []
+    for name, scale, mask_b in [("ordinary scores", 1.0, False), ("scores near 1000 (exp overflows)", 20.0, False),
+                                ("a block no query sees", 1.0, True)]:
+        q, k, v = ra.attention_inputs(2, 2, 5, 4, seed=11, scale=scale)
+        k, v = k[..., :4, :], v[..., :4, :]
+        q_positions, k_positions = torch.arange(5), torch.arange(4)
+        a = ra.block_attention(q, k[..., :3, :], v[..., :3, :], q_positions, k_positions[:3], "none")
+        if mask_b:  # the second block's keys come after every query: it contributes nothing
+            b = ra.block_attention(q, k[..., 3:, :], v[..., 3:, :], q_positions, k_positions[3:] + 10, "causal")
+            want = a
+        else:
+            b = ra.block_attention(q, k[..., 3:, :], v[..., 3:, :], q_positions, k_positions[3:], "none")
+            want = ra.block_attention(q, k, v, q_positions, k_positions, "none")
+        cases.append((name, *a, *b, *want))
+    return cases
+
+
+def _merge_mistakes(out_a, lse_a, out_b, lse_b):
+    """What the usual wrong merges return: (out or lse candidate, which output, hint)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - lse)[..., None], torch.exp(lse_b - lse)[..., None]
+    return [
+        ((out_a + out_b) / 2, "out", "the outputs are averaged: each block's weight is its share of the softmax's "
+                                     "denominator, exp(lse_block - lse_merged), not 1/2"),
+        (out_a + wb * out_b, "out", "the running output is not rescaled: its weight is exp(lse_running - "
+                                    "lse_merged) too, since the denominator it was normalised by has grown"),
+        (out_a * wb + out_b * wa, "out", "the weights are swapped: each output takes the weight of its own lse"),
+        (out_a + out_b, "out", "the outputs are added: each is normalised by its own block's sum, so they need "
+                               "weights exp(lse_block - lse_merged) that add up to 1"),
+        (torch.maximum(lse_a, lse_b), "lse", "the merged lse is the running maximum: the log-sum-exp of both "
+                                             "blocks is log(exp(lse_a) + exp(lse_b)), the max is only a shift that "
+                                             "keeps exp from overflowing"),
+        (lse_a, "lse", "the lse returned is the running one, not updated with the block's"),
+        (lse_a + lse_b, "lse", "the lse's are added: the merged one is log(exp(lse_a) + exp(lse_b))"),
+    ]
+
+
+def check_merge(merge):
+    """`merge(out, lse, block_out, block_lse) -> (out, lse)` of two blocks of keys equals attention over both."""
+    for name, out_a, lse_a, out_b, lse_b, want_out, want_lse in merge_cases():
+        got = merge(out_a.clone(), lse_a.clone(), out_b.clone(), lse_b.clone())
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise AssertionError(f"merge must return a pair (out, lse), got {type(got).__name__}")
+        got_out, got_lse = got
+        for value, want, what in [(got_out, want_out, "out"), (got_lse, want_lse, "lse")]:
+            if not isinstance(value, torch.Tensor) or value.shape != want.shape:
+                raise AssertionError(f"{name}: merge's {what} has shape {tuple(getattr(value, 'shape', ()))}, "
+                                     f"expected {tuple(want.shape)} (out: (..., queries, head_dim), lse: "
+                                     f"(..., queries))")
+            if _close(value, want):
+                continue
+            if not torch.isfinite(value).all():
+                raise AssertionError(
+                    f"{name}: merge's {what} holds inf or NaN. " + (
+                        "Exponentials of scores or lse's themselves overflow here: exponentiate differences "
+                        "(exp(lse_block - lse_merged)), which are never above 0" if "1000" in name else
+                        "A block no query sees has out 0 and lse -inf: its weight must come out 0, not NaN "
+                        "(torch.logaddexp handles -inf; exp(-inf - finite) is 0)"))
+            hint = _confirmed(value, [(v, h) for v, which, h in _merge_mistakes(out_a, lse_a, out_b, lse_b)
+                                      if which == what])
+            raise AssertionError(f"{name}: merge's {what} differs from attention over both blocks by up to "
+                                 f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
+    print("merge: two blocks of keys merge into attention over both, also with scores near 1000 and with a block "
+          "no query sees")
+
+
+# ---------------------------------------------------------------- attention in blocks, one process
+
+@contextlib.contextmanager
+def traced_blocks(calls, clock=lambda: None):
+    """Within the block, ra.block_attention (and its backward) note each call's (kind, query positions, key
+    positions, clock()) in `calls`."""
+    forward, backward = ra.block_attention, ra.block_attention_backward
+
+    def traced_forward(q, k, v, q_positions, k_positions, mask="causal"):
+        calls.append(("forward", q_positions.tolist(), k_positions.tolist(), clock()))
+        return forward(q, k, v, q_positions, k_positions, mask)
+
+    def traced_backward(grad_out, q, k, v, out, lse, q_positions, k_positions, mask="causal"):
+        calls.append(("backward", q_positions.tolist(), k_positions.tolist(), clock()))
+        return backward(grad_out, q, k, v, out, lse, q_positions, k_positions, mask)
+
+    ra.block_attention, ra.block_attention_backward = traced_forward, traced_backward
+    try:
+        yield calls
+    finally:
+        ra.block_attention, ra.block_attention_backward = forward, backward
+
+
+def score_entries(calls, mask):
+    """Score entries computed, and those of them in blocks the mask hides entirely."""
+    total = sum(len(q) * len(k) for _, q, k, _ in calls)
+    hidden = sum(len(q) * len(k) for _, q, k, _ in calls if not ra.visible(torch.tensor(q), torch.tensor(k), mask))
+    return total, hidden
+
+
+def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions):
+    """Attention in blocks as a mistake computes it: `key_blocks(q_pos, k_pos)` says which blocks of keys a block of
+    queries merges, `masked_positions(p)` which positions the mask is given."""
+    positions, outs = torch.arange(q.shape[-2]), []
+    for q_pos in positions.split(block_size):
+        out = lse = None
+        for k_pos in positions.split(block_size):
+            if key_blocks(q_pos, k_pos):
+                block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :],
+                                           masked_positions(q_pos), masked_positions(k_pos), mask)
+                out, lse = block if out is None else _merge(out, lse, *block)
+        outs.append(out)
+    return torch.cat(outs, dim=-2)
+
+
+def _blockwise_mistakes(q, k, v, block_size, mask):
+    unmasked = "the blocks were computed without the causal mask: pass the mask to block_attention"
+    return [
+        (ra.reference_attention(q, k, v, "none")[0], unmasked),
+        (_blockwise(q, k, v, block_size, "none", lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p), unmasked),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: qp[0] == kp[0], lambda p: p),
+         "each block of queries saw only its own block of keys: merge every block of keys it can see"),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p - p[0]),
+         "the blocks were masked with positions counted from each block's start: a block's queries and keys keep "
+         "their global positions (the mask compares them)"),
+    ]
+
+
+def check_blockwise_attention(blockwise_attention):
+    """Attention in blocks equals plain attention and SDPA: causal and not, block sizes that divide the sequence,
+    that do not, of 1 and longer than it; no score computed in a block the causal mask hides entirely."""
+    q, k, v = ra.attention_inputs(2, 2, 12, 4, seed=5)
+    for mask in ra.MASKS:
+        want_out, want_lse = ra.reference_attention(q, k, v, mask)
+        assert _close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention
+        for block_size in (4, 5, 1, 12, 16):
+            case = f"block_size {block_size}, mask {mask!r}, sequence 12"
+            calls = []
+            with traced_blocks(calls):
+                got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                raise AssertionError(f"{case}: blockwise_attention must return (out, lse), got {type(got).__name__}")
+            got_out, got_lse = got
+            if got_out.shape != want_out.shape:
+                rows = got_out.shape[-2] if got_out.dim() >= 2 else "?"
+                raise AssertionError(
+                    f"{case}: out has shape {tuple(got_out.shape)}, expected {tuple(want_out.shape)}" + (
+                        f": {12 - rows} positions are missing. A block size that does not divide the sequence "
+                        f"leaves a shorter last block (torch.split makes it)" if isinstance(rows, int) and rows < 12
+                        else ""))
+            if not _close(got_out, want_out):
+                hint = _confirmed(got_out, _blockwise_mistakes(q, k, v, block_size, mask))
+                raise AssertionError(f"{case}: out differs from plain attention at positions "
+                                     f"{_where(got_out, want_out, -2)}" + (f": {hint}" if hint else ""))
+            if got_lse.shape != want_lse.shape or not _close(got_lse, want_lse):
+                raise AssertionError(f"{case}: out is right but lse differs from the log-sum-exp of each query's "
+                                     f"scores: return the merged lse of every block of queries, in order")
+            total, hidden = score_entries(calls, mask)
+            if not calls:
+                raise AssertionError(f"{case}: ra.block_attention was never called: compute each block with it")
+            if hidden:
+                raise AssertionError(f"{case}: {hidden} of the {total} score entries computed are in blocks whose "
+                                     f"every key comes after every query: skip those blocks (ra.visible), they "
+                                     f"contribute nothing")
+            biggest = max(len(qp) * len(kp) for _, qp, kp, _ in calls)
+            if biggest > block_size * block_size:
+                raise AssertionError(f"{case}: a block of {biggest} score entries was computed: each block is at "
+                                     f"most block_size queries x block_size keys")
+    print("blockwise_attention: equals plain attention and scaled_dot_product_attention (out and lse, 1e-12), "
+          "causal and not, block sizes 4, 5, 1, 12 and 16 over 12 positions; no hidden block computed")
+
+
+# ---------------------------------------------------------------- ring attention
+
+RING_SIZES = dict(batch=2, heads=2, chunk=3, head_dim=4)  # chunk: positions per rank
+
+
+def ring_inputs(world_size, seed=7):
+    s = RING_SIZES
+    q, k, v = ra.attention_inputs(s["batch"], s["heads"], s["chunk"] * world_size, s["head_dim"], seed)
+    grad_out = ra.attention_inputs(s["batch"], s["heads"], s["chunk"] * world_size, s["head_dim"], seed + 1)[0]
+    return q, k, v, grad_out
+
+
+def _ring_main(rank, world_size, forward, backward, mask):
+    """One rank's run of the student's ring (forward, then backward if given), traced: its results, and per phase
+    its communication calls and block computations on one clock (the number of events so far)."""
+    q, k, v, grad_out = ring_inputs(world_size)
+    positions = ra.chunk_positions(q.shape[-2], world_size)
+    q, k, v, grad_out = (t[..., positions[rank], :].clone() for t in (q, k, v, grad_out))
+    result = {}
+    phases = [("forward", lambda: forward(q, k, v, positions, mask))]
+    if backward is not None:
+        phases.append(("backward", lambda: backward(grad_out, q, k, v, *result["forward"], positions, mask)))
+    for phase, run in phases:
+        events = []
+
+        def clock():
+            events.append(None)
+            return len(events)
+
+        calls = []
+        with traced_blocks(calls, clock), intercept(clock=clock) as log:
+            got = run()
+        result[phase] = got
+        result[phase + " log"] = [(c.name, c.nbytes, c.blocking, c.started_at, c.waited_at) for c in log]
+        result[phase + " blocks"] = [(kp, t) for kind, _, kp, t in calls if kind == phase]
+    return result
+
+
+def _simulated_ring(q, k, v, world_size, mask, variant):
+    """Ring attention's out on every rank as a usual mistake computes it (single process)."""
+    positions = ra.chunk_positions(q.shape[-2], world_size)
+    outs = []
+    for rank in range(world_size):
+        mine = positions[rank]
+        out = lse = None
+        for step in range(world_size):
+            source = (rank - step) % world_size
+            held = (rank + step) % world_size if variant == "other direction" else source
+            k_positions = mine if variant.startswith("own positions") else positions[source]
+            if variant == "own block only" and step:
+                continue
+            seen = k_positions if variant == "own positions everywhere" else positions[source]
+            if not ra.visible(mine, seen, mask):
+                continue
+            block = ra.block_attention(q[..., mine, :], k[..., positions[held], :], v[..., positions[held], :],
+                                       mine, k_positions, mask)
+            out, lse = block if out is None or variant == "replaced" else _merge(out, lse, *block)
+        outs.append(out)
+    return torch.cat(outs, dim=-2)
+
+
+def _merge(out, lse, block_out, block_lse):
+    merged = torch.logaddexp(lse, block_lse)
+    return torch.exp(lse - merged)[..., None] * out + torch.exp(block_lse - merged)[..., None] * block_out, merged
+
+
+RING_MISTAKES = {
+    "own block only": "only this rank's own block was merged: the blocks received from the other ranks never "
+                      "reached the merge",
+    "replaced": "each block replaced the running result instead of being merged into it",
+    "own positions everywhere": "every block was masked with this rank's own positions: the block held at step s "
+                                "came from rank (rank - s) mod N and has that rank's positions",
+    "own positions": "every block was masked with this rank's own positions: the block held at step s came from "
+                     "rank (rank - s) mod N and has that rank's positions",
+    "other direction": "the blocks travel one way round the ring and their positions are taken for the other: "
+                       "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block",
+}
+
+
+def _protocol_problems(results, phase):
+    """Calls the ring must not make, or receives never waited for (which make any value a matter of luck)."""
+    for rank, result in enumerate(results):
+        log = result[phase + " log"]
+        used = sorted({name for name, *_ in log if name in COLLECTIVES})
+        if used:
+            return (f"rank {rank} calls dist.{used[0]} in the {phase}: ring attention passes blocks to its neighbour "
+                    f"with isend/irecv (the all-gather version is section 6's)")
+        unwaited = [i for i, (name, _, blocking, _, waited) in enumerate(log) if waited is None]
+        if unwaited:
+            name = log[unwaited[0]][0]
+            return (f"rank {rank}'s {phase}: a {name} was never waited for: its buffer may be read (or reused) "
+                    f"before the data has arrived (or left). Wait for every isend and irecv")
+    return None
+
+
+def _ring_run_problems(results, world_size, mask, phase, kv_bytes):
+    """What is wrong with how the ring ran (not its values), or None."""
+    for rank, result in enumerate(results):
+        log = result[phase + " log"]
+        positions = ra.chunk_positions(world_size * RING_SIZES["chunk"], world_size)
+        want = [positions[(rank - s) % world_size].tolist() for s in range(world_size)]
+        want = [kp for kp in want if ra.visible(positions[rank], torch.tensor(kp), mask)]
+        got = [kp for kp, _ in result[phase + " blocks"]]
+        hidden = [kp for kp in got if not ra.visible(positions[rank], torch.tensor(kp), mask)]
+        if hidden:
+            return (f"rank {rank}'s {phase} computed {len(hidden)} block(s) whose every key comes after every query "
+                    f"(keys at positions {hidden[0][0]}..{hidden[0][-1]}): skip them, they contribute nothing; the "
+                    f"blocks still travel on")
+        if sorted(got) != sorted(want):
+            return (f"rank {rank}'s {phase} computed blocks of keys at positions {[(kp[0], kp[-1]) for kp in got]}: "
+                    f"expected each visible block once, {[(kp[0], kp[-1]) for kp in want]}")
+        receives = [(started, waited) for name, _, _, started, waited in log if name in RECEIVES]
+        for _, t in result[phase + " blocks"][:-1]:  # after the last block's compute, nothing is left to fetch
+            if not any(started < t < waited for started, waited in receives):
+                return (f"rank {rank}'s {phase}: no transfer was in flight while a block computed: start the next "
+                        f"block's isend/irecv before computing the current block, and wait for them after; a "
+                        f"blocking recv (or a wait before the compute) leaves the link idle while the rank computes")
+        sent = sum(nbytes for name, nbytes, *_ in log if name in SENDS)
+        if sent != kv_bytes:
+            return (f"rank {rank}'s {phase} sent {sent} bytes; the ring sends {kv_bytes} (see the formula above): "
+                    f"{'more' if sent > kv_bytes else 'less'} than the blocks it must pass on")
+    return None
+
+
+def _raise(n, mask, problem):
+    if problem:
+        raise AssertionError(f"{n} ranks, mask {mask!r}: {problem}")
+
+
+def _spawn_ring(forward, backward, world_size, mask, timeout):
+    return spawn_explaining_stalls(
+        _ring_main, world_size, forward, backward, mask, timeout=timeout,
+        hint=("the ring stalls: some rank waits for a block that never comes. Each rank sends to rank + 1 and "
+              "receives from rank - 1, every step but the last (in the backward, the key/value gradients also travel "
+              "at the last step, home to their owner); every isend and irecv must be waited for"),
+        sizes="each receive buffer has the shape of the block its neighbour sends")
+
+
+def kv_bytes_per_rank(world_size, dtype=torch.float64, backward=False):
+    """What a rank sends: its keys and values, N-1 times; in the backward also their gradients, N times."""
+    s = RING_SIZES
+    kv = 2 * s["batch"] * s["heads"] * s["chunk"] * s["head_dim"] * torch.finfo(dtype).bits // 8
+    return kv * (world_size - 1) + (kv * world_size if backward else 0)
+
+
+def check_ring_attention(ring_attention_forward, world_size, world_sizes=WORLD_SIZES, timeout=CHECK_TIMEOUT):
+    """Ring attention's forward: every rank's (out, lse) equal plain attention's for its chunk, causal and not."""
+    sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
+    for n in sizes:
+        q, k, v, _ = ring_inputs(n)
+        for mask in ra.MASKS:
+            results = _spawn_ring(ring_attention_forward, None, n, mask, timeout)
+            _raise(n, mask, _protocol_problems(results, "forward"))
+            want_out, want_lse = ra.reference_attention(q, k, v, mask)
+            _check_ring_values(results, q, k, v, want_out, want_lse, n, mask)
+            _raise(n, mask, _ring_run_problems(results, n, mask, "forward", kv_bytes_per_rank(n)))
+    print(f"ring_attention_forward: out and lse equal plain attention (1e-12) on {', '.join(map(str, sizes))} ranks, "
+          f"causal and not; hidden blocks skipped, the next block in flight during each compute, "
+          f"(N-1) x keys and values sent")
+
+
+def _check_ring_values(results, q, k, v, want_out, want_lse, n, mask):
+    chunk = RING_SIZES["chunk"]
+    for rank, result in enumerate(results):
+        got = result["forward"]
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise AssertionError(f"rank {rank}: ring_attention_forward must return (out, lse), "
+                                 f"got {type(got).__name__}")
+        got_out, got_lse = got
+        want = want_out[..., rank * chunk:(rank + 1) * chunk, :]
+        if got_out is None or got_out.shape != want.shape:
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out has shape "
+                                 f"{tuple(getattr(got_out, 'shape', ()))}, expected {tuple(want.shape)} (its "
+                                 f"queries' chunk)")
+        if not _close(got_out, want):
+            everyone = torch.cat([r["forward"][0] for r in results], dim=-2)
+            hint = _confirmed(everyone, [(_simulated_ring(q, k, v, n, mask, variant), h)
+                                         for variant, h in RING_MISTAKES.items()])
+            if hint is None and mask == "causal" and _close(everyone, ra.reference_attention(q, k, v, "none")[0]):
+                hint = "no causal mask was applied: pass the mask to block_attention"
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
+                                 f"positions {[rank * chunk + i for i in _where(got_out, want, -2)]}"
+                                 + (f": {hint}" if hint else ""))
+        if not _close(got_lse, want_lse[..., rank * chunk:(rank + 1) * chunk]):
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out is right but its lse is not the "
+                                 f"log-sum-exp of its queries' scores over every key: return the merged lse")
+
+
+def check_ring_attention_backward(ring_attention_forward, ring_attention_backward, world_size,
+                                  world_sizes=WORLD_SIZES, timeout=CHECK_TIMEOUT):
+    """Ring attention's backward: every rank's (dq, dk, dv) equal autograd's through plain attention."""
+    sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
+    chunk = RING_SIZES["chunk"]
+    for n in sizes:
+        q, k, v, grad_out = ring_inputs(n)
+        for mask in ra.MASKS:
+            results = _spawn_ring(ring_attention_forward, ring_attention_backward, n, mask, timeout)
+            _raise(n, mask, _protocol_problems(results, "backward"))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ra.reference_attention(*leaves, mask)[0].backward(grad_out)
+            for rank, result in enumerate(results):
+                got = result["backward"]
+                if not (isinstance(got, tuple) and len(got) == 3):
+                    raise AssertionError(f"rank {rank}: ring_attention_backward must return (dq, dk, dv)")
+                for name, value, leaf in zip(("dq", "dk", "dv"), got, leaves):
+                    want = leaf.grad[..., rank * chunk:(rank + 1) * chunk, :]
+                    if value is None or value.shape != want.shape:
+                        raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
+                                             f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
+                    if not _close(value, want):
+                        hint = _backward_hint(name, value, leaf.grad, rank, n, q, k, v, grad_out, mask)
+                        raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from "
+                                             f"autograd's through plain attention by up to "
+                                             f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
+            _raise(n, mask, _ring_run_problems(results, n, mask, "backward", kv_bytes_per_rank(n, backward=True)))
+    print(f"ring_attention_backward: dq, dk and dv equal autograd's through plain attention (1e-12) on "
+          f"{', '.join(map(str, sizes))} ranks, causal and not; the next block in flight during each compute, the "
+          f"key/value gradients home after N steps")
+
+
+def _backward_hint(name, value, full_grad, rank, n, q, k, v, grad_out, mask):
+    """The confirmed reason a rank's dq, dk or dv is wrong, or None."""
+    chunk = RING_SIZES["chunk"]
+    candidates = []
+    if name in ("dk", "dv"):
+        following = (rank + 1) % n
+        candidates.append((full_grad[..., following * chunk:(following + 1) * chunk, :],
+                           f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
+                           f"the last step they travel once more, home to their owner"))
+        positions = ra.chunk_positions(q.shape[-2], n)
+        mine = positions[rank]
+        out, lse = ra.reference_attention(q, k, v, mask)
+        kept = torch.zeros_like(k[..., mine, :])  # every block's share added into one buffer that never moves
+        for source in range(n):
+            if ra.visible(mine, positions[source], mask):
+                kept += ra.block_attention_backward(
+                    grad_out[..., mine, :], q[..., mine, :], k[..., positions[source], :], v[..., positions[source], :],
+                    out[..., mine, :], lse[..., mine], mine, positions[source], mask)[1 if name == "dk" else 2]
+        candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
+                                 "block came from, so the gradients travel the ring with their block, every rank "
+                                 "adding its share, and arrive home after N steps"))
+    return _confirmed(value, candidates)
+

@@ -1,0 +1,127 @@
+"""Attention in blocks and across ranks (notebook 09): the online softmax, and ring attention.
+
+Attention of queries q against keys/values (k, v) split into blocks never needs the whole score matrix: each
+block gives its own softmax-weighted output `out_b` and the log-sum-exp of its scores `lse_b`, and two blocks'
+results merge exactly,
+
+    lse = log(exp(lse_a) + exp(lse_b))            out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+(the weights are each block's share of the softmax's denominator). Ring attention puts one chunk of the sequence
+on each rank and sends the key/value chunks around the ring, merging one block per step.
+
+Positions are global throughout: a block is described by its queries' and keys' positions in the whole sequence,
+so that the causal mask (a key may be seen by a query not before it) and RoPE are the same on any rank, for any
+way of cutting the sequence into chunks.
+"""
+import math
+
+import torch
+
+from utils.sizes import check_int, divide
+from utils.transformer import causal_mask
+
+MASKS = ("causal", "none")
+
+
+def check_mask(mask):
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {MASKS}, got {mask!r}: ring attention merges blocks by position, "
+                         f"so it honours a causal mask or none, not an arbitrary one")
+    return mask
+
+
+def check_sizes(seq_len, world_size):
+    """The length of each rank's chunk: every rank holds the same number of positions (no padding)."""
+    world_size = check_int("world_size", world_size)
+    if check_int("seq_len", seq_len) < world_size:
+        raise ValueError(f"seq len {seq_len} is shorter than the world size {world_size}: a rank would hold no "
+                         f"position of the sequence")
+    return divide("seq_len", seq_len, "world_size", world_size, "every rank holds an equal chunk of the sequence")
+
+
+def chunk_positions(seq_len, world_size):
+    """Every rank's global positions, contiguous chunks: rank r holds [r S/N, (r+1) S/N)."""
+    chunk = check_sizes(seq_len, world_size)
+    return [torch.arange(r * chunk, (r + 1) * chunk) for r in range(world_size)]
+
+
+def visible(q_positions, k_positions, mask="causal"):
+    """Whether some query sees some key of the block. Under a causal mask a block whose every key comes after
+    every query contributes nothing: skip it."""
+    return check_mask(mask) == "none" or bool(k_positions.min() <= q_positions.max())
+
+
+# ---------------------------------------------------------------- one block
+
+def scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def block_mask(q_positions, k_positions, mask):
+    """True where a query may see a key; None when it sees every key."""
+    return causal_mask(q_positions, k_positions) if check_mask(mask) == "causal" else None
+
+
+def block_attention(q, k, v, q_positions, k_positions, mask="causal"):
+    """Attention of q (..., Sq, D) against one block of keys/values (..., Sk, D): (out, lse), where lse (..., Sq) is
+    the log-sum-exp of each query's allowed scores. A query that sees no key of the block gets out 0, lse -inf:
+    the block's share of its softmax is zero."""
+    s = scores(q, k)
+    allowed = block_mask(q_positions, k_positions, mask)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    weights = torch.exp(s - lse.clamp_min(torch.finfo(s.dtype).min)[..., None])  # exp(-inf - finite) = 0: no NaN
+    return weights @ v, lse
+
+
+def block_attention_backward(grad_out, q, k, v, out, lse, q_positions, k_positions, mask="causal"):
+    """One block's share of (dq, dk, dv), given the whole attention's `out` and `lse` for these queries.
+
+    With p = exp(s - lse) the block's slice of the softmax (not its own softmax: lse is every block's),
+        dv = p^T dout,   ds = p * (dout v^T - rowsum(dout * out)),   dq = ds k / sqrt(D),   dk = ds^T q / sqrt(D).
+    The rowsum term is the whole softmax's: the same for every block, which is why out and lse are the global ones."""
+    s = scores(q, k)
+    allowed = block_mask(q_positions, k_positions, mask)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(s - lse.clamp_min(torch.finfo(s.dtype).min)[..., None])
+    ds = p * (grad_out @ v.transpose(-2, -1) - (grad_out * out).sum(-1, keepdim=True))
+    scale = 1 / math.sqrt(q.shape[-1])
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ grad_out
+
+
+# ---------------------------------------------------------------- references
+
+def reference_attention(q, k, v, mask="causal"):
+    """Plain attention over the whole sequence (positions 0 .. S-1): (out, lse), the values every version must
+    reproduce."""
+    positions = torch.arange(q.shape[-2])
+    return block_attention(q, k, v, positions, positions, mask)
+
+
+def sdpa(q, k, v, mask="causal"):
+    """PyTorch's scaled_dot_product_attention on the same tensors."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=check_mask(mask) == "causal")
+
+
+def attention_inputs(batch, heads, seq_len, head_dim, seed, dtype=torch.float64, scale=1.0):
+    """q, k, v (batch, heads, seq, head_dim) from `seed` alone; `scale` > 1 makes scores large (the softmax's
+    exponentials overflow unless the maximum is subtracted)."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, seq_len, head_dim, generator=generator, dtype=torch.float64)
+                 .mul(scale).to(dtype) for _ in range(3))
+
+
+def saved_bytes(fn, *args):
+    """Bytes autograd saves for backward while `fn(*args)` runs (every saved tensor's storage counted once)."""
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
