@@ -386,7 +386,8 @@ OTHER_ANSWERS = {  # (exercise, replace): right answers written another way
 }
 
 
-@pytest.mark.parametrize("way", OTHER_ANSWERS)
+@pytest.mark.parametrize("way", [pytest.param(way, marks=pytest.mark.slow) if OTHER_ANSWERS[way][0] == "fsdp" else way
+                                 for way in OTHER_ANSWERS])  # FSDP's: 4 and 3 ranks, about 8 s
 def test_an_answer_written_another_way_passes(way, capsys):
     exercise, replace = OTHER_ANSWERS[way]
     right = solution(NOTEBOOK, replace=replace)
