@@ -191,6 +191,68 @@ CATALOGUE = {
                                              "free it with fsdp.free"),
     "forgets the 1/N average": ("fsdp", {AVERAGE: "    return shard\n"}, "3 times too large"),
     "does not cast the input": ("fsdp", {CAST_INPUT: ""}, "cast x to the weight's dtype"),
+    # issue 26's second pass: more of each exercise's plausible mistakes
+    "multiplies by the scale": ("scaler", {DIVIDE: "            p.grad.mul_(self.scale)\n"},
+                                "it was multiplied by the scale; divide it"),
+    "grows one update late (>)": ("scaler", {"            if self.clean_steps == self.growth_interval:\n":
+                                             "            if self.clean_steps > self.growth_interval:\n"},
+                                  "after update #5 .* should have grown to 8 after 3 clean steps in a row \\(grow "
+                                  "when the count reaches growth_interval"),
+    "never restarts the count after growing": (
+        "scaler", {"                    self.scale *= 2\n                self.clean_steps = 0\n":
+                   "                    self.scale *= 2\n"},
+        "after update #8 .* should have grown to 16 .* count afresh after an inf and after each growth"),
+    "forward in fp32 on the master": ("step", {"    loss = loss_fn(model(batch.to(dtype)))\n":
+                                               "    loss = loss_fn(master(batch))\n"},
+                                      "bf16: step 0: the loss is the fp32 master model's, not the low-precision "
+                                      "copy's"),
+    "the batch not cast": ("step", {"    loss = loss_fn(model(batch.to(dtype)))\n":
+                                    "    loss = loss_fn(model(batch))\n"},
+                           "bf16: .* cast the batch to the model's dtype"),
+    "low-precision gradients given to the master uncast": (
+        "step", {"low.grad.float(), None": "low.grad, None"},
+        "bf16: .*RuntimeError: .* cast the low-precision gradients to fp32 \\(.float\\(\\)\\)"),
+    "updates the scale only on a step that stepped": (
+        "step", {"    if scaler is not None:\n        scaler.update(found_inf)\n":
+                 "    if scaler is not None and not found_inf:\n        scaler.update(found_inf)\n"},
+        "call scaler.update\\(found_inf\\) once per step, whether the step was skipped or not"),
+    "returns the scaled loss": ("step", {"(loss.float() * (1.0 if scaler is None else scaler.scale)).backward()":
+                                         "loss = loss.float() * (1.0 if scaler is None else scaler.scale)\n"
+                                         "    loss.backward()"},
+                                "fp16 with a scaler from 65536: step 0: the returned loss is the scaled one"),
+    "all-reduces with ReduceOp.AVG in bf16": ("reduce", {"        dist.all_reduce(grad)\n":
+                                                         "        dist.all_reduce(grad, op=dist.ReduceOp.AVG)\n",
+                                                         MEAN: "        p.grad.copy_(grad.to(p.grad.dtype))\n"},
+                                              "bfloat16.* divided by the world size: sum in bf16, then divide in fp32"),
+    "all-reduces, then writes back its own gradient": ("reduce", {MEAN: "        p.grad.copy_(p.grad / world_size)\n"},
+                                                       "this rank's own gradient divided by the world size: it was "
+                                                       "never summed"),
+    "keeps the bf16 sum as p.grad": ("reduce", {MEAN: "        p.grad = grad / world_size\n"},
+                                     "assigned a low-precision tensor to p.grad, which must stay fp32"),
+    "all-reduces each gradient twice": ("reduce", {"        dist.all_reduce(grad)\n":
+                                                   "        dist.all_reduce(grad)\n        dist.all_reduce(grad)\n"},
+                                        "6 all-reduce\\(s\\) for 3 gradients: all-reduce each gradient once"),
+    "the weight's gradient transposed": ("fsdp", {REDUCE_IN: "reduce_scatter_gradient(x.T @ grad_output, "
+                                                             "ctx.reduce_dtype)"},
+                                         "it is the transpose's shard: the weight's gradient is grad_output.T @ x"),
+    "the padding kept in the gathered weight": ("fsdp", {"    return fsdp.unpad(full, shape)\n":
+                                                         "    return full.view(shape)\n"},
+                                                "the padding included: drop the padding before the reshape"),
+    "the gradient not padded before the reduce-scatter": (
+        "fsdp", {"    flat = fsdp.flat_padded(grad.to(reduce_dtype), world_size)\n":
+                 "    flat = grad.to(reduce_dtype).flatten()\n"},
+        "the flat gradient was not padded: .*fsdp.flat_padded"),
+    "no gradient for the input": ("fsdp", {"        return grad_x, grad_shard, None\n":
+                                           "        return None, grad_shard, None\n"},
+                                  "layer 0's gradient .* it is all zeros: no gradient reached layer 0; backward must "
+                                  "return the input's gradient"),
+    "parameters' gradients counted twice (out.backward and returned)": (
+        "recompute", {"        grads = torch.autograd.grad(out, [x, *ctx.block.parameters()], grad_output)\n":
+                      "        out.backward(grad_output)\n"
+                      "        grads = [x.grad, *[p.grad for p in ctx.block.parameters()]]\n"},
+        "layer 0's weight gradient is twice the plain run's: it is counted twice"),
+    "gradients returned in the wrong order": ("recompute", {RETURN: "        return (None, *grads[1:], grads[0])\n"},
+                                              "return the gradients in the order of forward's inputs"),
 }
 
 
@@ -310,6 +372,29 @@ def test_a_scaler_written_another_way_passes(way, capsys):
     run_check("scaler", sol)
     run_check("step", sol)
     assert capsys.readouterr().out.count("correct") == 2
+
+
+OTHER_ANSWERS = {  # (exercise, replace): right answers written another way
+    "the loss scaler: a new gradient, not in place; finiteness tested before dividing": (
+        "scaler", {DIVIDE + FINITE: FINITE.replace("p.grad", "p.grad") + "            p.grad = p.grad / self.scale\n"}),
+    "the step: load_state_dict for the copy": ("step", {COPY: "    model.load_state_dict(master.state_dict())\n"}),
+    "the reduce: p.grad assigned a new fp32 tensor": ("reduce", {MEAN: "        p.grad = grad.float() / world_size\n"}),
+    "FSDP: divided before the reduce-scatter, in fp32 (as FSDP2 does)": (
+        "fsdp", {"    flat = fsdp.flat_padded(grad.to(reduce_dtype), world_size)\n":
+                 "    flat = fsdp.flat_padded(grad.to(reduce_dtype) / world_size, world_size)\n",
+                 AVERAGE: "    return shard\n"}),
+}
+
+
+@pytest.mark.parametrize("way", [pytest.param(way, marks=pytest.mark.slow) if OTHER_ANSWERS[way][0] == "fsdp" else way
+                                 for way in OTHER_ANSWERS])  # FSDP's: 4 and 3 ranks, about 8 s
+def test_an_answer_written_another_way_passes(way, capsys):
+    exercise, replace = OTHER_ANSWERS[way]
+    right = solution(NOTEBOOK, replace=replace)
+    # FSDP's check runs a second, padded world size of its own (3 ranks beside 4)
+    for world_size in {"reduce": (2, 3, 4), "fsdp": (4,)}.get(exercise, (3,)):
+        run_check(exercise, right, world_size, **({"batch_size": 12} if world_size == 4 else {}))
+    assert "correct" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- bad input, before anything runs

@@ -96,6 +96,10 @@ def test_activations_with_a_sequence_dimension():
 # ---------------------------------------------------------------- all_gather_forward: wrong answers
 
 CAT = "        x = torch.cat(pieces, dim=-1)\n"
+GATHER = "        pieces = [torch.empty_like(y) for _ in range(world_size)]\n        dist.all_gather(pieces, y)\n" + CAT
+PADDED_ALL_REDUCE = ("        x = torch.zeros(*y.shape[:-1], world_size * y.shape[-1], dtype=y.dtype)\n"
+                     "        x[..., dist.get_rank() * y.shape[-1]:(dist.get_rank() + 1) * y.shape[-1]] = y\n"
+                     "        dist.all_reduce(x)\n")
 GATHER_MISTAKES = {
     "no gather": ({"        pieces = [torch.empty_like(y) for _ in range(world_size)]\n": "",
                    "        dist.all_gather(pieces, y)\n": "", CAT: "        x = y\n"},
@@ -116,6 +120,14 @@ GATHER_MISTAKES = {
     "input never updated": ({CAT: "        out = torch.cat(pieces, dim=-1)\n",
                              "### END SOLUTION\n    return x": "### END SOLUTION\n    return out"},
                             "take the previous layer's whole .* output as its input"),
+    "pieces laid out rank after rank, then reshaped": (
+        {GATHER: "        flat = torch.empty(world_size * y.numel(), dtype=y.dtype)\n"
+                 "        dist.all_gather_single(flat, y.flatten())\n        x = flat.view(*y.shape[:-1], -1)\n"},
+        "rank after rank in memory .* mixes the ranks' features within each row; join the slices along the "
+        "features"),
+    "all-reduce of zero-padded slices instead of an all-gather": (
+        {GATHER: PADDED_ALL_REDUCE}, "0 all-gathers for 4 layers; expected one per layer: the whole activation came "
+                                     "from another collective"),
     "extra all-gather": ({"        dist.all_gather(pieces, y)\n": "        dist.all_gather(pieces, y)\n"
                                                                    "        dist.all_gather(pieces, y)\n"},
                          "8 all-gathers for 4 layers"),
@@ -128,6 +140,25 @@ def test_a_wrong_all_gather_forward_fails_and_names_the_mistake(mistake):
     wrong = solution(NAME, replace=replace)
     with pytest.raises(AssertionError, match="all_gather_forward on rank 0 of 3, x of shape .*" + hint):
         check_all_gather_forward(wrong.all_gather_forward, 3, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+
+
+# right answers written another way, at 2, 3 and 4 ranks
+OTHER_GATHERS = {
+    "GELU after the all-gather (it acts element by element)": {"        y = F.gelu(x @ w.T)\n": "        y = x @ w.T\n",
+                                                              CAT: "        x = F.gelu(torch.cat(pieces, dim=-1))\n"},
+    "F.linear, all_gather_single, the rank dimension moved next to the features": {
+        "        y = F.gelu(x @ w.T)\n": "        y = F.gelu(F.linear(x, w))\n",
+        GATHER: "        stacked = torch.empty(world_size * y.shape[0], *y.shape[1:], dtype=y.dtype)\n"
+                "        dist.all_gather_single(stacked, y.contiguous())\n"
+                "        x = stacked.unflatten(0, (world_size, -1)).movedim(0, -2).flatten(-2)\n"},
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("way", OTHER_GATHERS)
+def test_an_all_gather_forward_written_another_way_passes(way, world_size):
+    right = solution(NAME, replace=OTHER_GATHERS[way])
+    check_all_gather_forward(right.all_gather_forward, world_size, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
 
 
 # ---------------------------------------------------------------- the parallel regions: wrong answers
@@ -162,6 +193,17 @@ REGION_MISTAKES = {
                                               "ranks; the backward must be the identity"),
     "reduce: averages": ({"        dist.all_reduce(out)\n": "        dist.all_reduce(out, op=dist.ReduceOp.AVG)\n"},
                          "ReduceFromParallelRegion .* forward: it is the mean over ranks"),
+    "reduce: divides its backward by the world size": (
+        {"        return grad_output\n": "        return grad_output / dist.get_world_size()\n"},
+        "ReduceFromParallelRegion on rank 0 of 2: backward: it is this rank's own gradient divided by the world "
+        "size: do not divide"),
+    "copy: broadcasts the gradient instead of summing it": (
+        {"        dist.all_reduce(grad)\n": "        dist.broadcast(grad, 0)\n"},
+        "CopyToParallelRegion on 2 ranks: backward: every rank returned rank 0's own tensor: that is a broadcast"),
+    "copy: the gradient counted twice (all-reduced twice)": (
+        {"        dist.all_reduce(grad)\n": "        dist.all_reduce(grad)\n        dist.all_reduce(grad)\n"},
+        "CopyToParallelRegion on rank 0 of 2: backward: it is the sum over ranks times the world size: it was "
+        "all-reduced twice"),
     "reduce: no clone": ({REDUCE_FORWARD: "        dist.all_reduce(x)\n        return x\n"},
                          "ReduceFromParallelRegion .* changed its input in place; all-reduce a clone"),
 }
@@ -211,6 +253,23 @@ LINEAR_MISTAKES = {
                              "RowParallelLinear on rank 0 of 2: self.weight shares memory with the whole weight"),
     "not a parameter": ({f"self.weight = nn.Parameter({COLUMN_SHARD})": f"self.weight = {COLUMN_SHARD}"},
                         "ColumnParallelLinear on rank 0 of 2: self.weight is a plain tensor: wrap it in nn.Parameter"),
+    "row: Reduce around the input, not the partial product": (
+        {ROW_FORWARD: "ReduceFromParallelRegion.apply(x) @ self.weight.T"},
+        "RowParallelLinear on rank 0 of 2: wrong output; .* ReduceFromParallelRegion was applied to the input x_r, "
+        "before the matmul"),
+    "column: Copy around the output, not the input": (
+        {COLUMN_FORWARD: "CopyToParallelRegion.apply(x @ self.weight.T)"},
+        "ColumnParallelLinear on rank 0 of 2: wrong input gradient; .* CopyToParallelRegion was applied to the "
+        "output of the matmul"),
+    "column: Copy twice (the input gradient summed twice)": (
+        {COLUMN_FORWARD: "CopyToParallelRegion.apply(CopyToParallelRegion.apply(x)) @ self.weight.T"},
+        "ColumnParallelLinear on rank 0 of 2: wrong input gradient; it is 2 times too large: the backward "
+        "all-reduces a gradient that is already whole"),
+    "row: the shard cut from W.T": ({ROW_SHARD: "weight.T.chunk(world_size, dim=0)[rank].clone()"},
+                                    "RowParallelLinear on rank 0 of 2: .* it is the transpose of this rank's shard"),
+    "row: Copy where Reduce belongs": ({ROW_FORWARD: "CopyToParallelRegion.apply(x @ self.weight.T)"},
+                                       "RowParallelLinear on rank 0 of 2: wrong output; it is this rank's partial "
+                                       "sum"),
 }
 
 
@@ -219,6 +278,26 @@ def test_wrong_linears_fail_and_name_the_mistake(mistake):
     replace, hint = LINEAR_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
         check_parallel_linear(*linears(solution(NAME, replace=replace)), 2, HIDDEN_DIM, BATCH_SIZE)
+
+
+OTHER_LINEARS = {
+    "slices by hand, F.linear": {
+        COLUMN_SHARD: "weight[rank * weight.shape[0] // world_size:(rank + 1) * weight.shape[0] // world_size].clone()",
+        COLUMN_FORWARD: "F.linear(CopyToParallelRegion.apply(x), self.weight)"},
+    "tensor_split, detach().clone()": {ROW_SHARD: "weight.tensor_split(world_size, dim=1)[rank].detach().clone()",
+                                       COLUMN_SHARD: "tp.column_shard(weight, rank, world_size).clone()"},
+}
+
+
+@pytest.mark.parametrize("way", OTHER_LINEARS)
+def test_linears_written_another_way_pass_at_2_3_and_4_ranks(way):
+    right = solution(NAME, replace=OTHER_LINEARS[way])
+    for world_size in (2, 3, 4):
+        check_parallel_linear(*linears(right), world_size, HIDDEN_DIM, BATCH_SIZE)
+    other_regions = solution(NAME, replace={"        return x.view_as(x)\n": "        return x\n", REDUCE_FORWARD:
+                                            "        out = x.detach().clone()\n"
+                                            "        dist.all_reduce(out, async_op=True).wait()\n        return out\n"})
+    check_parallel_regions(*regions(other_regions), 4)
 
 
 def test_an_extra_all_reduce_that_changes_nothing_is_counted():

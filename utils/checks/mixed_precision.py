@@ -11,6 +11,7 @@
 """
 import copy
 import dataclasses
+import functools
 import math
 
 import torch
@@ -95,7 +96,8 @@ def _scale_hint(got, want, found_infs, init_scale):
         why = (f"the scale grew before {GROWTH_INTERVAL} clean steps in a row: grow only after growth_interval "
                f"clean steps, and restart the count after an inf and after growing")
     else:
-        why = f"the scale should have grown to {want[step]:g} after {GROWTH_INTERVAL} clean steps in a row"
+        why = (f"the scale should have grown to {want[step]:g} after {GROWTH_INTERVAL} clean steps in a row (grow "
+               f"when the count reaches growth_interval, and count afresh after an inf and after each growth)")
     return f"after update #{step} (found_inf={found_infs[step]}): scale {got[step]:g}, expected {want[step]:g}: {why}"
 
 
@@ -112,6 +114,9 @@ def _check_unscaled(got, want, case):
                                  f"unscaling, GradScaler's {w!r}: leave a parameter without a gradient as it is")
         if w is not None and not torch.equal(g, w):
             ratio = (g.flatten()[0] / w.flatten()[0]).item()
+            if ratio == UNSCALE_SCALE**2:
+                raise AssertionError(f"DynamicLossScaler.unscale_ ({case}): parameter {i}'s gradient is scale**2 = "
+                                     f"{ratio:g} x (gradient / scale): it was multiplied by the scale; divide it")
             raise AssertionError(f"DynamicLossScaler.unscale_ ({case}): parameter {i}'s gradient is {ratio:g} x "
                                  f"(gradient / scale): divide each gradient by the scale exactly once, in place")
 
@@ -204,6 +209,36 @@ def _batches(batch_size, hidden_dim, seed, num_steps, poison_step):
         yield batch
 
 
+LOSS_HINTS = {  # what the returned loss is, when it is not the low-precision copy's on the current master weights
+    "stale": ("the forward pass did not run on the current master weights (its loss is the low-precision model's "
+              "before the step): copy the master weights into the low-precision model before each forward"),
+    "fp32": ("the loss is the fp32 master model's, not the low-precision copy's: run the forward on `model` (the "
+             "low-precision copy) with the batch cast to its dtype"),
+    "scaled": "the returned loss is the scaled one (loss x scale): return the loss before scaling",
+    "other": ("the returned loss is not the forward's on the current master weights, cast to the low-precision "
+              "dtype: copy the master weights into `model`, then return loss_fn(model(batch)) of that forward"),
+}
+
+
+STEP_ERRORS = [  # (words in the error, what they mean)
+    ("assign a gradient with dtype", "the master parameters are fp32, and so must their gradients be: cast the "
+                                     "low-precision gradients to fp32 (.float()) before giving them to the master"),
+    ("to have the same dtype", "the batch is fp32 and the model's weights low precision: cast the batch to the "
+                               "model's dtype (batch.to(dtype)) before the forward"),
+]
+
+
+def _what_loss(loss, model, master, batch, dtype, scaler):
+    """Which forward the student's loss came from (True: the right one), tried in this order."""
+    with torch.no_grad():
+        candidates = [(True, copy.deepcopy(master).to(dtype)(batch.to(dtype))),
+                      ("stale", copy.deepcopy(model)(batch.to(dtype))), ("fp32", master(batch))]
+        losses = [(name, loss_fn(out).item()) for name, out in candidates]
+    if scaler is not None:
+        losses.append(("scaled", losses[0][1] * float(scaler.scale)))
+    return next((name for name, value in losses if _same(loss, value)), "other")
+
+
 def _same(a, b):
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -222,10 +257,10 @@ def _run_student(step_fn, scaler, dtype, sizes, poison_step=None, frozen=None):
     optimizer = make_optimizer(master.parameters(), "sgd")
     run = Run([detached_parameters(master)], [], [], [], [])
     for batch in _batches(sizes.batch_size, sizes.hidden_dim, sizes.seed, sizes.num_steps, poison_step):
-        with torch.no_grad():  # the loss of this step's forward on the current master weights
-            expected = loss_fn(copy.deepcopy(master).to(dtype)(batch.to(dtype))).item()
+        forward = functools.partial(_what_loss, model=copy.deepcopy(model), master=copy.deepcopy(master), batch=batch,
+                                    dtype=dtype, scaler=None if scaler is None else copy.deepcopy(scaler))
         loss, did_step = step_fn(master, model, optimizer, batch, scaler)
-        run.fresh.append(_same(float(loss), expected))
+        run.fresh.append(forward(float(loss)))
         run.losses.append(float(loss))
         run.stepped.append(bool(did_step))
         run.scales.append(None if scaler is None else float(scaler.scale))
@@ -270,16 +305,15 @@ def _step_hint(got, want, step, tolerance):
     before, after, right = got.weights[step], got.weights[step + 1], want.weights[step + 1]
     if any(not torch.isfinite(w).all() for w in after) and all(torch.isfinite(w).all() for w in right):
         return "the master weights hold inf or NaN: a step whose gradients are not finite must be skipped"
-    if got.fresh and not got.fresh[step]:
-        return ("the forward pass did not run on the current master weights: copy the master weights into the "
-                "low-precision model before each forward")
+    if got.fresh and got.fresh[step] is not True:
+        return LOSS_HINTS[got.fresh[step]]
     if got.stepped[step] != want.stepped[step]:
         return (f"your step {'stepped' if got.stepped[step] else 'skipped'}, the reference "
                 f"{'stepped' if want.stepped[step] else 'skipped'}: skip the optimizer step exactly when a gradient "
                 f"holds an inf or a NaN, and report it")
     if got.scales[step] != want.scales[step]:
         return (f"the scale after it is {got.scales[step]}, the reference's {want.scales[step]}: call "
-                f"scaler.update(found_inf) once per step")
+                f"scaler.update(found_inf) once per step, whether the step was skipped or not")
     if want.stepped[step] and all(torch.equal(a, b) for a, b in zip(before, after)):
         return ("the fp32 master weights did not change: the optimizer steps the master parameters, so give them "
                 "the low-precision gradients, cast to fp32")
@@ -332,6 +366,12 @@ def _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes):
         scaler = None if init_scale is None else DynamicLossScaler(init_scale, GROWTH_INTERVAL)
         try:
             got = _run_student(mixed_precision_step, scaler, dtype, sizes, poison_step, frozen)
+        except RuntimeError as e:
+            hint = next((h for words, h in STEP_ERRORS if words in str(e)), None)
+            if hint is None:
+                raise
+            raise AssertionError(f"{label}: mixed_precision_step raised RuntimeError: {str(e).split('. ')[0]}: "
+                                 f"{hint}") from e
         except (AttributeError, TypeError) as e:
             if frozen is None:  # the earlier cases ran: only here is a .grad None
                 raise
@@ -419,7 +459,14 @@ def check_reduce_dtype(average_gradients, world_size, hidden_dim, num_layers, ba
     sizes = Sizes(check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers),
                   check_int("batch_size", batch_size), 1, check_int("seed", seed, 0))
     reduce_dtypes = [torch.float32, torch.bfloat16, torch.float16]
-    runs = spawn(_reduce_main, world_size, average_gradients, sizes, reduce_dtypes, timeout=CHECK_TIMEOUT)
+    try:
+        runs = spawn(_reduce_main, world_size, average_gradients, sizes, reduce_dtypes, timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        if "assign a gradient with dtype" not in str(e):
+            raise
+        raise AssertionError(f"average_gradients on {world_size} ranks: a rank assigned a low-precision tensor to "
+                             f"p.grad, which must stay fp32 (the master's dtype): cast the reduced sum back to fp32, "
+                             f"then divide (p.grad.copy_(...) casts for you)\n{e}") from e
     worst = {}
     for rank, (local, reference, every_local, results) in enumerate(runs):
         for reduce_dtype, (got, reduced, names) in zip(reduce_dtypes, results):
@@ -457,6 +504,8 @@ def _forward_backward(model, x, recompute=None):
 RECOMPUTE_ERRORS = [  # (words in the error, what they usually mean)
     ("does not require grad", "recompute under torch.enable_grad() (backward runs with gradients off), from the saved "
                               "input detached and made to require a gradient"),
+    ("returned an invalid gradient at index", "return the gradients in the order of forward's inputs: None for the "
+                                              "block, then the input's, then each parameter's"),
     ("incorrect number of gradients", "backward returns one gradient per input of forward: None for the block, then "
                                       "the input's, then each parameter's"),
 ]
@@ -488,6 +537,10 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
         f"recompute: backward ran the layers' forward {backward_calls} times: recompute each block exactly once, "
         f"in backward")
     for i, (g, w) in enumerate(zip(got, grads)):
+        assert g is None or not torch.equal(g, 2 * w) or not w.any(), (
+            f"recompute: layer {i}'s weight gradient is twice the plain run's: it is counted twice. Backward both "
+            f"accumulated it into .grad (out.backward(...)) and returned it; return torch.autograd.grad's gradients "
+            f"and leave .grad to autograd")
         assert g is not None, (f"recompute: layer {i}'s weight got no gradient: backward must return a gradient for "
                                f"every input of forward, the block's parameters included")
         assert torch.equal(g, w), (f"recompute: layer {i}'s weight gradient differs from the plain run's by up to "
@@ -504,6 +557,11 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
 
 FSDP_TOLERANCE = 1e-6  # relative; the stored run agrees bit for bit (the same bf16 products, fp32 sums of N terms)
 FSDP_ERRORS = [  # (words in a rank's error or its traceback, what they usually mean), the first that matches
+    ("is invalid for input of size", "the gathered buffer holds world_size x shard.numel() elements, the padding "
+                                     "included: drop the padding before the reshape (fsdp.unpad(full, shape))"),
+    ("worldSize == inputShape[0]", "the flat gradient was not padded: the reduce-scatter needs world_size equal "
+                                   "pieces, so pad it to a multiple of world_size first (fsdp.flat_padded), as the "
+                                   "shards were cut"),
     ("optim/adam", "AdamW failed on a shard whose dtype changed under it: the master weights are lost. The shards "
                    "are the fp32 master weights the optimizer steps: never cast them (shard.data = ...), cast a copy "
                    "to param_dtype for the all-gather"),
@@ -565,6 +623,12 @@ def _verify_against_reference(runs, reference, sizes, where):
             want = fsdp.shard(whole, rank, n)
             if got is None or not _close(got, want):
                 hint = diagnose_gradient(got, want, fsdp.shard(reference.local_grads[rank][i], rank, n), n)
+                if got is not None and got.shape == want.shape and _close(got, fsdp.shard(whole.T, rank, n)):
+                    hint = ("it is the transpose's shard: the weight's gradient is grad_output.T @ x, not "
+                            "x.T @ grad_output")
+                elif got is not None and not got.any() and want.any():
+                    hint = (f"it is all zeros: no gradient reached layer {i}; backward must return the input's "
+                            f"gradient too (grad_output @ W), or the layers before it get none")
                 raise AssertionError(f"{where}: at step 0, rank {rank}'s shard of layer {i}'s gradient is not the "
                                      f"reference's (bf16 products, summed in fp32, divided by {n}); {hint}")
     weights = fsdp.gather_shards([run.weights for run in runs], [w.shape for w in reference.weights])

@@ -27,6 +27,14 @@ def _close(got, want):
             and max_abs_diff(got, want) < TOLERANCE)
 
 
+def _differs(got, want, whose):
+    """What differs and where, when no known mistake explains it."""
+    difference = (got - want).abs()
+    row, column = divmod(int(difference.argmax()), want.shape[-1])
+    return (f"it differs from {whose} by up to {difference.max().item():.3g} (at [{row}, {column}]; largest entry "
+            f"{want.abs().max().item():.3g})")
+
+
 def _shape(value):
     return tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)[:40]
 
@@ -93,6 +101,11 @@ def _check_gathered_slices(where, got, slices):
         raise AssertionError(f"{where}: after one layer, the slices are in the wrong order (the feature blocks hold "
                              f"the slices of ranks {owners}, in that order): concatenate the gathered list in rank "
                              f"order")
+    if _close(got, torch.cat(slices).reshape(got.shape)):
+        raise AssertionError(f"{where}: after one layer, the gathered activation holds the slices rank after rank in "
+                             f"memory (as a flat all_gather_single or a concatenation along dim 0 lays them out), "
+                             f"reshaped to {tuple(got.shape)}: that mixes the ranks' features within each row; join "
+                             f"the slices along the features, the last dimension (torch.cat(pieces, dim=-1))")
     missing = [j for j, owner in enumerate(owners) if owner is None]
     difference = max_abs_diff(got, torch.cat(slices, dim=-1))
     seen = ("NaN or uninitialised memory" if difference == float("inf") else
@@ -123,8 +136,11 @@ def check_all_gather_forward(all_gather_forward, world_size, hidden_dim, num_lay
                                      f"single-process MLP's: each layer must take the previous layer's whole "
                                      f"(gathered) output as its input")
             if gathers != num_layers:
+                instead = ("" if gathers else
+                           ": the whole activation came from another collective (an all-reduce of zero-padded "
+                           "slices moves twice an all-gather's bytes); gather the slices with dist.all_gather")
                 raise AssertionError(f"{where}: {gathers} all-gathers for {num_layers} layers; expected one per "
-                                     f"layer")
+                                     f"layer{instead}")
     print(f"all_gather_forward: correct on {world_size} ranks, {num_layers} layers, x of shape (batch, hidden) and "
           f"(batch, sequence, hidden); every rank's output equals the single-process MLP's to {TOLERANCE:g}, with one "
           f"all-gather per layer")
@@ -164,7 +180,9 @@ def _regions_main(rank, world_size, CopyToParallelRegion, ReduceFromParallelRegi
 def _what_it_is(got, own, each, expected):
     """Names what a region returned: this rank's own tensor, the sum or the mean over ranks, or None. The expected
     name is tried first: on one rank, the identity, the sum and the mean are all the same tensor."""
-    candidates = {"identity": own, "sum": sum(each), "mean": sum(each) / len(each)}
+    n = len(each)
+    candidates = {"identity": own, "sum": sum(each), "mean": sum(each) / n, "own / N": own / n,
+                  "N x sum": n * sum(each), **{f"rank {r}": t for r, t in enumerate(each)}}
     for name in sorted(candidates, key=lambda name: name != expected):
         if _close(got, candidates[name]):
             return name
@@ -173,7 +191,17 @@ def _what_it_is(got, own, each, expected):
 
 SEEN = {"identity": "it is this rank's own {what}", "sum": "it is the sum over ranks",
         "mean": "it is the mean over ranks: partial results add up, do not divide by the world size",
+        "own / N": "it is this rank's own {what} divided by the world size: do not divide",
+        "N x sum": "it is the sum over ranks times the world size: it was all-reduced twice (summed once too often)",
         "missing": "no gradient reached the input", "wrong": "it is neither this rank's own {what} nor the sum"}
+
+
+def _seen(name, what):
+    """The words for what a region returned; another rank's own tensor (on every rank: a broadcast)."""
+    if name.startswith("rank "):
+        return (f"it is {name}'s {what}, not this rank's own nor the sum: a broadcast (or another rank's copy) where "
+                f"an all-reduce (sum) belongs")
+    return SEEN[name].format(what=what)
 
 
 def _check_region(where, run, sums_in_forward, x, xs, g, gs):
@@ -188,11 +216,11 @@ def _check_region(where, run, sums_in_forward, x, xs, g, gs):
         right, wrong = ("forward", "backward") if sums_in_forward else ("backward", "forward")
         raise AssertionError(f"{where}: the all-reduce is in the {wrong}; it belongs in the {right}")
     if forward != want[0]:
-        raise AssertionError(f"{where}: forward: {SEEN[forward].format(what='input')}; " + (
+        raise AssertionError(f"{where}: forward: {_seen(forward, 'input')}; " + (
             "the forward must all-reduce (sum) the partial outputs of the ranks" if sums_in_forward else
             "the forward must be the identity: the input is already whole on every rank"))
     if backward != want[1]:
-        raise AssertionError(f"{where}: backward: {SEEN[backward].format(what='gradient')}; " + (
+        raise AssertionError(f"{where}: backward: {_seen(backward, 'gradient')}; " + (
             "the backward must be the identity: the output is whole on every rank, and so is its gradient"
             if sums_in_forward else "the backward must all-reduce (sum) the incoming gradients: every rank's copy "
                                     "of the input fed a different part of the output"))
@@ -202,12 +230,26 @@ def _check_region(where, run, sums_in_forward, x, xs, g, gs):
                              f"backward; expected {calls_wanted[0]} and {calls_wanted[1]}")
 
 
+def _check_not_one_ranks(got, each, where):
+    """Every rank holding one rank's own tensor (rank 0's, say): a broadcast, where the sum or the identity belongs.
+    Looked at across ranks first: rank 0 alone would see only its own tensor, and be told so."""
+    owner = next((r for r in range(len(each)) if all(_close(g, each[r]) for g in got)), None)
+    if len(each) > 1 and owner is not None:
+        raise AssertionError(f"{where}: every rank returned rank {owner}'s own tensor: that is a broadcast from rank "
+                             f"{owner}; partial results must be summed over ranks (dist.all_reduce), a whole one "
+                             f"returned as it is")
+
+
 def check_parallel_regions(CopyToParallelRegion, ReduceFromParallelRegion, world_size, seed=0):
     """Copy: forward identity, backward all-reduce. Reduce: forward all-reduce, backward identity."""
     results = spawn(_regions_main, world_size, CopyToParallelRegion, ReduceFromParallelRegion, seed,
                     timeout=CHECK_TIMEOUT)
     xs = [seeded_randn(REGION_SHAPE, seed, r) for r in range(world_size)]
     gs = [seeded_randn(REGION_SHAPE, seed + 1, r) for r in range(world_size)]
+    for index, cls in enumerate((CopyToParallelRegion, ReduceFromParallelRegion)):
+        for direction, field, each in (("forward", "output", xs), ("backward", "grad", gs)):
+            _check_not_one_ranks([getattr(result[index], field) for result in results], each,
+                                 f"{cls.__name__} on {world_size} ranks: {direction}")
     for rank, (copy_run, reduce_run) in enumerate(results):
         for cls, run, sums_in_forward in ((CopyToParallelRegion, copy_run, False),
                                           (ReduceFromParallelRegion, reduce_run, True)):
@@ -281,6 +323,8 @@ class LinearReference:
     grad: torch.Tensor
     weight_grad: torch.Tensor
     partial: torch.Tensor  # column: this rank's part of the input gradient; row: its part of the output
+    misplaced: torch.Tensor  # the region around the wrong value: column: Copy on the output (the input gradient
+    # then sums the output's gradient slices); row: Reduce on the input (the output then multiplies summed slices)
 
 
 def linear_reference(kind, rank, world_size, hidden_dim, batch_size, seed):
@@ -288,9 +332,14 @@ def linear_reference(kind, rank, world_size, hidden_dim, batch_size, seed):
     x, g = seeded_randn((batch_size, hidden_dim), seed), seeded_randn((batch_size, hidden_dim), seed + 1)
     out, x_grad, w_grad = x @ w.T, g @ w, g.T @ x
     local = tp.shard_range(hidden_dim, rank, world_size)
+    slices = range(world_size)
     if kind == "column":
-        return LinearReference(w[local, :], out[:, local], x_grad, w_grad[local, :], g[:, local] @ w[local, :])
-    return LinearReference(w[:, local], out, x_grad[:, local], w_grad[:, local], x[:, local] @ w[:, local].T)
+        summed_g = sum(g[:, tp.shard_range(hidden_dim, r, world_size)] for r in slices)
+        return LinearReference(w[local, :], out[:, local], x_grad, w_grad[local, :], g[:, local] @ w[local, :],
+                               summed_g @ w[local, :])
+    summed_x = sum(x[:, tp.shard_range(hidden_dim, r, world_size)] for r in slices)
+    return LinearReference(w[:, local], out, x_grad[:, local], w_grad[:, local], x[:, local] @ w[:, local].T,
+                           summed_x @ w[:, local].T)
 
 
 def _check_weight_shard(where, kind, run, rank, world_size, hidden_dim, seed):
@@ -303,6 +352,8 @@ def _check_weight_shard(where, kind, run, rank, world_size, hidden_dim, seed):
         hint = (f"it is rank {owner}'s shard: take shard number `rank`" if owner is not None else
                 f"it is this rank's {WHAT[other]}: cut along the other dimension"
                 if _close(run.weight, _shard(other, w, rank, world_size)) else
+                f"it is the transpose of this rank's shard: cut W (out, in) itself, not W.T, and keep its layout"
+                if _close(run.weight.T, _shard(kind, w, rank, world_size)) else
                 f"expected shape {tuple(_shard(kind, w, rank, world_size).shape)}, got {tuple(run.weight.shape)}")
         raise AssertionError(f"{where}: self.weight is not this rank's {WHAT[kind]} of W, "
                              f"[{local.start}:{local.stop}]; {hint}")
@@ -324,8 +375,12 @@ def _check_output(where, kind, run, want, world_size):
     elif world_size > 1 and _close(run.output, world_size * want.output):
         hint = (f"it is {world_size} times too large: the forward all-reduced an input that is already whole "
                 f"(before a column layer: CopyToParallelRegion, identity in forward)")
+    elif kind == "row" and world_size > 1 and _close(run.output, want.misplaced):
+        hint = ("it is the sum over ranks of the input slices, times this rank's columns: ReduceFromParallelRegion "
+                "was applied to the input x_r, before the matmul; it belongs around the partial product "
+                "x_r @ W_r.T")
     else:
-        hint = f"max abs difference {max_abs_diff(run.output, want.output):.3g}"
+        hint = _differs(run.output, want.output, "the single-process layer's")
     raise AssertionError(f"{where}: wrong output; {hint}")
 
 
@@ -338,15 +393,19 @@ def _check_input_gradient(where, kind, run, want, world_size):
         hint = "it is this rank's part of it: the backward must all-reduce the input gradient (CopyToParallelRegion)"
     elif world_size > 1 and _close(run.grad, world_size * want.grad):
         hint = f"it is {world_size} times too large: the backward all-reduces a gradient that is already whole"
+    elif kind == "column" and world_size > 1 and _close(run.grad, want.misplaced):
+        hint = ("it is the output gradient's slices summed over ranks, times this rank's rows: "
+                "CopyToParallelRegion was applied to the output of the matmul, so its backward added up the "
+                "gradients of different output features; it belongs around the input x")
     else:
-        hint = f"max abs difference {max_abs_diff(run.grad, want.grad):.3g}"
+        hint = _differs(run.grad, want.grad, "the single-process layer's")
     raise AssertionError(f"{where}: wrong input gradient; {hint}")
 
 
 def _check_weight_gradient(where, run, want):
     if not _close(run.weight_grad, want.weight_grad):
         hint = ("it is None" if run.weight_grad is None
-                else f"max abs difference {max_abs_diff(run.weight_grad, want.weight_grad):.3g}")
+                else _differs(run.weight_grad, want.weight_grad, "the reference's"))
         raise AssertionError(f"{where}: the weight's gradient is not the reference's slice; {hint}")
 
 
