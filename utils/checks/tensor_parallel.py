@@ -352,7 +352,7 @@ def _check_weight_shard(where, kind, run, rank, world_size, hidden_dim, seed):
         hint = (f"it is rank {owner}'s shard: take shard number `rank`" if owner is not None else
                 f"it is this rank's {WHAT[other]}: cut along the other dimension"
                 if _close(run.weight, _shard(other, w, rank, world_size)) else
-                f"it is the transpose of this rank's shard: cut W (out, in) itself, not W.T, and keep its layout"
+                "it is the transpose of this rank's shard: cut W (out, in) itself, not W.T, and keep its layout"
                 if _close(run.weight.T, _shard(kind, w, rank, world_size)) else
                 f"expected shape {tuple(_shard(kind, w, rank, world_size).shape)}, got {tuple(run.weight.shape)}")
         raise AssertionError(f"{where}: self.weight is not this rank's {WHAT[kind]} of W, "
