@@ -163,8 +163,8 @@ class UsedParameters:
 
 
 def leaves(output):
-    """The ids of the leaf tensors (parameters) that the autograd graph of `output` (a tensor, or a tuple or list of them)
-    reaches: those that backward would give a gradient."""
+    """The ids of the leaf tensors (parameters) that the autograd graph of `output` (a tensor, or a tuple or list of
+    them) reaches: those that backward would give a gradient."""
     tensors = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
     todo, seen, found = [t.grad_fn for t in tensors if t.grad_fn is not None], set(), set()
     found.update(id(t) for t in tensors if t.grad_fn is None and t.requires_grad)
