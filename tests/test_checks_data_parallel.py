@@ -11,7 +11,9 @@ from utils.checks.data_parallel import (
     check_micro_batches,
     check_overlapped_sync,
 )
-from utils.data_parallel import check_sizes, expected_buckets
+from utils.data_parallel import check_sizes, expected_buckets, train_data_parallel
+from utils.launch import RankError, spawn
+from utils.model import Sizes
 from utils.notebooks import solution
 
 SIZES = dict(hidden_dim=8, num_layers=4, batch_size=12, num_steps=3, seed=0)
@@ -212,3 +214,48 @@ def test_expected_buckets_skip_frozen_parameters_and_keep_one_dtype_per_bucket()
     assert expected_buckets(params(*[(10, f64, True)] * 3), 1) == [[2, 1, 0]]
     assert expected_buckets(params((10, f64, True), (10, f64, False), (10, f32, True), (10, f64, True)), 1) == \
         [[3, 0], [2]]
+
+
+# ---------------------------------------------------------------- ranks that disagree: refused, never a hang
+
+# utils.data_parallel.DataBranch on 2 ranks, 2 rows each, one step: with seed 3 rank 0's rows take the branch and rank
+# 1's do not (whole or in micro-batches of one row); with seed 4 both ranks take it (and leave `frozen` unused alike).
+BRANCH = dict(hidden_dim=4, num_layers=2, batch_size=4, num_steps=1)
+DISAGREE, AGREE = 3, 4
+UNUSED_ON_RANK_1 = (r"rank 1 of 2 failed: utils\.data_parallel\.UnusedParameterError: rank 1, step 0: trainable "
+                    r"parameter branch\.layers\.0\.linear\.weight took no part in this step's loss on this rank.*"
+                    r"find_unused_parameters")
+
+
+def branch_versions(sol):
+    return {"average_gradients": dict(train_step=sol.train_step),
+            "micro-batches": dict(train_step=lambda m, o, b: sol.train_step_with_micro_batches(m, o, b, 2)),
+            "overlapped": dict(gradient_sync=sol.OverlappedGradientSync),
+            "bucketed": dict(gradient_sync=lambda model: sol.BucketedGradientSync(model, 1))}
+
+
+@pytest.mark.parametrize("version", ["average_gradients", "micro-batches", "overlapped", "bucketed"])
+def test_a_parameter_used_on_one_rank_only_is_refused_naming_it_the_rank_and_the_step(version):
+    """Before the refusal: 'Connection closed by peer' (naive, micro-batches, overlapped), or ranks that silently
+    diverge (bucketed). Now the rank that left the parameter out raises before its gradients are synchronized; the
+    other, left waiting, is stopped (timeout=30: a stall would be a TimeoutError, not this)."""
+    sol = solution(NOTEBOOK)
+    sizes = Sizes(**BRANCH, seed=DISAGREE, model="branch")
+    with pytest.raises(RankError, match=UNUSED_ON_RANK_1):
+        spawn(train_data_parallel, 2, sol.broadcast_parameters, **branch_versions(sol)[version], sizes=sizes,
+              timeout=30)
+
+
+def train_each_version(rank, world_size, versions, sizes):
+    return [train_data_parallel(rank, world_size, versions["broadcast"], **version, sizes=sizes)
+            for version in versions["steps"]]
+
+
+def test_a_frozen_parameter_unused_on_every_rank_still_trains():
+    sol = solution(NOTEBOOK)
+    versions = dict(broadcast=sol.broadcast_parameters, steps=list(branch_versions(sol).values()))
+    runs = spawn(train_each_version, 2, versions, Sizes(**BRANCH, seed=AGREE, model="branch"), timeout=30)
+    for on_rank_0, on_rank_1 in zip(*runs):
+        assert on_rank_0.losses and all(torch.equal(a, b) for a, b in zip(on_rank_0.weights, on_rank_1.weights))
+        assert not torch.equal(on_rank_0.start[-2], on_rank_0.weights[-2])  # the branch trained
+        assert torch.equal(on_rank_0.start[-1], on_rank_0.weights[-1])  # frozen: unchanged

@@ -7,7 +7,7 @@ import torch
 from utils import fsdp
 from utils.checks import TOLERANCE, max_abs_diff
 from utils.checks.fsdp import check_fsdp, check_memory, check_prefetch, check_zero1, check_zero2
-from utils.launch import spawn
+from utils.launch import RankError, spawn
 from utils.memory import formula_bytes
 from utils.model import Sizes, build_mlp, local_batch, loss_fn, make_batch, train_reference
 from utils.notebooks import solution
@@ -294,3 +294,32 @@ def tracker_main(rank, world_size):
 def test_memory_tracker_sees_gathered_buffers_and_restores_torch_distributed():
     alive, after_free, most, restored, calls = spawn(tracker_main, 1)[0]
     assert (alive, after_free, most, restored, calls) == (1, 0, 1, True, ["all_gather_single"])
+
+
+# ---------------------------------------------------------------- ranks that disagree: refused, never a hang
+
+# utils.data_parallel.DataBranch (for FSDP: the sharded MLP, then a sharded branch unit) on 2 ranks, 2 rows each, one
+# step: with seed 3 rank 0's rows take the branch and rank 1's do not; with seed 4 both do, and leave `frozen` unused.
+BRANCH = dict(hidden_dim=4, num_layers=2, batch_size=4, num_steps=1)
+STUDENT = fsdp.Student(SOL.Zero1AdamW, SOL.Zero2AdamW, SOL.FSDPLinear, SOL.all_gather_unit)
+BRANCH_WEIGHT = {"ddp": "branch.layers.0.linear.weight", "zero1": "branch.layers.0.linear.weight",
+                 "zero2": "branch.layers.0.linear.weight", "fsdp": "branch.0.shard"}
+
+
+@pytest.mark.parametrize("version", list(BRANCH_WEIGHT))
+def test_a_parameter_used_on_one_rank_only_is_refused_naming_it_the_rank_and_the_step(version):
+    """Before the refusal, ZeRO-1, ZeRO-2 and FSDP stalled until spawn's timeout (60 s). Now the rank that left the
+    parameter out raises before backward (timeout=30: a stall would be a TimeoutError, not this)."""
+    message = (rf"rank 1 of 2 failed: utils\.data_parallel\.UnusedParameterError: rank 1, step 0: trainable parameter "
+               rf"{BRANCH_WEIGHT[version]} took no part in this step's loss on this rank.*find_unused_parameters")
+    with pytest.raises(RankError, match=message):
+        spawn(fsdp.runs_main, 2, [fsdp.Job(version, "branch")], STUDENT, Sizes(**BRANCH, seed=3), timeout=30)
+
+
+def test_a_frozen_parameter_unused_on_every_rank_still_trains():
+    jobs = [fsdp.Job(version, "branch") for version in BRANCH_WEIGHT]
+    runs = spawn(fsdp.runs_main, 2, jobs, STUDENT, Sizes(**BRANCH, seed=4), timeout=30)
+    for job, on_rank_0, on_rank_1 in zip(jobs, *runs):
+        assert sum(g is not None for g in on_rank_0.first_grads) == BRANCH["num_layers"] + 1  # the trunk, the branch
+        if job.version != "fsdp":  # FSDP's weights are each rank's shards
+            assert all(torch.equal(a, b) for a, b in zip(on_rank_0.weights, on_rank_1.weights))

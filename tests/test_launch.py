@@ -774,6 +774,38 @@ def test_under_torchrun(tmp_path):
     assert proc.stdout.count("[rank 1] fn ran on rank 1") == 2, output
 
 
+RANK_ONE_RAISES = """
+import os
+import torch
+import torch.distributed as dist
+from utils.launch import spawn
+
+def fn(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(3))  # waits for rank 1, which never comes
+
+spawn(fn, int(os.environ["WORLD_SIZE"]), timeout=150)  # above the 120 s the test waits
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.one_start_method
+def test_under_torchrun_a_rank_that_raises_does_not_wait_for_the_others_at_exit(tmp_path):
+    """11: the rank that raised exits at once (no barrier at exit: the others may be waiting for it in a collective),
+    so the one left waiting gets 'Connection closed by peer' and torchrun names rank 1, long before the group's
+    timeout (150 s here; before, the failed rank's exit barrier met rank 0's all-reduce and both waited for it)."""
+    script = tmp_path / "rank_one_raises.py"
+    script.write_text(RANK_ONE_RAISES)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=REPO, env={**_subprocess_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "boom on rank 1" in output, output
+    assert re.search(r"Root Cause \(first observed failure\):\s+\[0\]:[^\n]*\n\s+time[^\n]*\n\s+host[^\n]*\n"
+                     r"\s+rank\s+: 1", output), output
+
+
 # ---------------------------------------------------------------- 12. warm ranks (the spawn start method)
 
 def _set_everything(rank, world_size):

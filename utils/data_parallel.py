@@ -13,12 +13,17 @@ and when it was waited for, in the backward pass or in finish().
 
 Two models: the course's MLP, and `utils.model.build_awkward_model` (a frozen parameter, one used
 every other forward call, a float32 parameter in a float64 model, a buffer, an embedding).
+
+A parameter used on some ranks only (a branch on the data) would make the ranks' collectives pair up wrongly:
+`UsedParameters` refuses such a step on the rank that left it out, before its gradients are synchronized
+(utils.fsdp's driver uses it too).
 """
 import copy
 import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from utils.bench import interleaved_seconds
 from utils.counting import bytes_written, calls
@@ -36,7 +41,7 @@ from utils.model import (
 from utils.sizes import divide
 
 START_SEED_STRIDE = 1000  # rank r starts from seed + 1000 r: every rank differs, rank 0 is the reference
-MODELS = ("mlp", "awkward")
+MODELS = ("mlp", "awkward", "branch")
 BACKWARD, FINISH, AFTER = "in the backward pass", "in finish()", "after finish()"  # the phases of a step
 
 
@@ -48,9 +53,27 @@ def check_sizes(batch_size, world_size, num_micro_batches=1):
     return local_batch_size
 
 
+class DataBranch(nn.Module):
+    """`trunk`, then `branch` only if the batch's first feature is positive on average: a branch on the data, taken
+    on some ranks and not on others (as an expert that no token reached), which UsedParameters refuses. `frozen`
+    (requires_grad=False) is never used, on any rank: that is fine."""
+
+    def __init__(self, trunk, branch, frozen):
+        super().__init__()
+        self.trunk, self.branch, self.frozen = trunk, branch, frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.branch(h) if x[:, 0].mean() > 0 else h
+
+
 def build_model(sizes, seed, dtype=torch.float64):
     if sizes.model == "awkward":
         return build_awkward_model(sizes.hidden_dim, seed, dtype)
+    if sizes.model == "branch":
+        h = sizes.hidden_dim
+        return DataBranch(build_mlp(h, sizes.num_layers, seed, dtype), build_mlp(h, 1, seed + 1, dtype),
+                          build_mlp(h, 1, seed + 2, dtype))
     return build_mlp(sizes.hidden_dim, sizes.num_layers, seed, dtype)
 
 
@@ -104,11 +127,78 @@ class StepClock:
         return self.ready, self.phase
 
 
-def one_step(model, optimizer, batch, train_step=None, sync=None, clock=None):
-    """train_step(model, optimizer, batch), or forward, backward, sync.finish(), optimizer step."""
+class UnusedParameterError(RuntimeError):
+    """A trainable parameter took no part in a step's loss on this rank (raised by UsedParameters.check)."""
+
+
+class UsedParameters:
+    """Which trainable parameters this rank's forward calls used in the current step, read from the autograd graph of
+    each output (as DDP's find_unused_parameters does, but with no collective): local, and known before backward.
+
+    `check()` refuses a step in which one was not used. Every rank must make the same collective calls in the same
+    order (gloo pairs them by order, not by name or size); a gradient that exists on some ranks only breaks that, and
+    ends in a wrong result, an unrelated error, "Connection reset by peer" or a hang. So the course does what DDP does
+    without find_unused_parameters (which costs an all-reduce per step): it refuses, on the rank that left it out,
+    before the step's gradients are synchronized. Frozen parameters are fine, and so are those the model names in
+    `unused_alike` (left out on every rank alike, by construction: utils.model.AwkwardModel)."""
+
+    def __init__(self, model, rank):
+        alike = set(getattr(model, "unused_alike", ()))
+        self.names = {p: name for name, p in model.named_parameters() if p.requires_grad and name not in alike}
+        self.rank, self.step, self.used, self.checked = rank, 0, set(), False
+        model.register_forward_hook(lambda module, inputs, output: self.used.update(leaves(output)))
+
+    def new_step(self, step):
+        self.step, self.used, self.checked = step, set(), False
+
+    def check(self, *_):
+        """Raise UnusedParameterError naming what this step's forward calls left out (once a step; the arguments of a
+        utils.intercept `before` are ignored, so that it can run just before the step's first collective)."""
+        if self.checked:
+            return
+        self.checked = True
+        unused = [name for p, name in self.names.items() if id(p) not in self.used]
+        if unused:
+            raise UnusedParameterError(unused_message(unused, self.rank, self.step))
+
+
+def leaves(output):
+    """The ids of the leaf tensors (parameters) that the autograd graph of `output` (a tensor, or a tuple or list of
+    them) reaches: those that backward would give a gradient."""
+    tensors = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
+    todo, seen, found = [t.grad_fn for t in tensors if t.grad_fn is not None], set(), set()
+    found.update(id(t) for t in tensors if t.grad_fn is None and t.requires_grad)
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: where a leaf's gradient goes
+            found.add(id(node.variable))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def unused_message(names, rank, step):
+    listed = ", ".join(names)
+    return (f"rank {rank}, step {step}: trainable parameter{'s' if len(names) > 1 else ''} {listed} took no part "
+            f"in this step's loss on this rank, so {'they get' if len(names) > 1 else 'it gets'} no gradient here. "
+            f"If another rank used {'them' if len(names) > 1 else 'it'} (a branch on the data, an expert that no "
+            f"token reached), the ranks would make different collective calls and gloo, which pairs them by order, "
+            f"would sum the wrong gradients or hang: the step is refused before any gradient is synchronized. Every "
+            f"trainable parameter must take part in every step's loss on every rank; freeze one that should not "
+            f"train (requires_grad=False). PyTorch's DDP allows it with find_unused_parameters=True, at the cost of "
+            f"one more all-reduce per step (of which parameters each rank used)")
+
+
+def one_step(model, optimizer, batch, train_step=None, sync=None, clock=None, used=None):
+    """train_step(model, optimizer, batch), or forward, backward, sync.finish(), optimizer step. `used`
+    (UsedParameters) checks the forward before backward starts the sync's hooks."""
     if sync is None:
         return train_step(model, optimizer, batch)
     loss = loss_fn(model(batch))
+    if used is not None:
+        used.check()
     loss.backward()
     if clock is not None:
         clock.phase = FINISH
@@ -151,18 +241,20 @@ def train_data_parallel(rank, world_size, broadcast_parameters, train_step=None,
         run.start = state(model)
         opt = make_optimizer(model.parameters(), optimizer)
         opt.register_step_pre_hook(lambda *_: run.grads.append(gradients(model)))
-        clock = StepClock(model)
+        clock, used = StepClock(model), UsedParameters(model, rank)
         sync = gradient_sync(model) if gradient_sync is not None else None
         for step in range(sizes.num_steps):
             batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, step, dtype), rank,
                                 world_size)
             clock.new_step()
-            with intercept(clock=clock) as log:
+            used.new_step(step)
+            # train_step makes its own forward and backward calls: check just before its first collective
+            with intercept(clock=clock, before=used.check if sync is None else None) as log:
                 run.calls.append(log)
                 run.ready_at.append(clock.ready_at)
-                loss = one_step(model, opt, batch, train_step, sync, clock)
+                loss = one_step(model, opt, batch, train_step, sync, clock, used)
             run.losses.append(None if loss is None else loss.item())
-    except NotImplementedError:
+    except (NotImplementedError, UnusedParameterError):  # not the code under test's mistake: the model's
         raise
     except Exception as e:  # noqa: BLE001 (reported by the check, after what it saw before)
         if not keep_errors:

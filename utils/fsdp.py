@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils import pytorch_reference
+from utils import data_parallel, pytorch_reference
 from utils.counting import bytes_written
 from utils.memory import MemoryTracker, inner_optimizer
 from utils.model import (
@@ -320,7 +320,7 @@ class DDPAdamW:
 
 VERSIONS = ("ddp", "zero1", "zero2", "fsdp", "zero-pytorch", "fsdp2")
 PYTORCH = ("zero-pytorch", "fsdp2")  # references: the checks compare their weights only
-MODELS = ("mlp", "awkward", "embedded")
+MODELS = ("mlp", "awkward", "embedded", "branch")  # branch: utils.data_parallel.DataBranch, refused
 
 
 @dataclasses.dataclass
@@ -366,10 +366,16 @@ def build_version(job, student, rank, world_size, sizes):
         prefetcher = None if job.cap is None else functools.partial(student.Prefetcher, cap=job.cap)
         model = build_fsdp_mlp(student.FSDPLinear, student.all_gather_unit, rank, world_size, h, layers, seed,
                                job.dtype, prefetcher, timeline, uses, embedding=job.model == "embedded")
+        if job.model == "branch":
+            branch = build_fsdp_mlp(student.FSDPLinear, student.all_gather_unit, rank, world_size, h, 1, seed + 1,
+                                    job.dtype)
+            model = data_parallel.DataBranch(model, branch, build_mlp(h, 1, seed + 2, job.dtype))
     elif job.version == "fsdp2":
         model = pytorch_reference.fully_shard_mlp(world_size, h, layers, seed, job.dtype)
     elif job.model == "awkward":
         model = build_awkward_model(h, seed, job.dtype)
+    elif job.model == "branch":
+        model = data_parallel.build_model(dataclasses.replace(sizes, model="branch"), seed, job.dtype)
     else:
         model = build_mlp(h, layers, seed, job.dtype)
     params = list(model.parameters())
@@ -409,6 +415,7 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
                             phase=lambda: (built.timeline().step, built.timeline().phase))
     built.uses.which_gather = tracker.gather_calls.get
     first_grads, after = [], {}
+    used = data_parallel.UsedParameters(built.model, rank)
 
     def keep_first_gradients(*args):
         if not first_grads:
@@ -417,10 +424,13 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
     @contextlib.contextmanager
     def each_step(step):
         built.timeline.enter(step=step, phase="forward", unit=None)
+        used.new_step(step)
         yield
 
     def forward_backward(model, batch):
         loss = loss_fn(model(batch))
+        if job.version not in PYTORCH:
+            used.check()  # before backward: ZeRO-2's and FSDP's reduce-scatters start in it
         built.timeline.enter(phase="backward", unit=None)
         loss.backward()
         return loss

@@ -216,6 +216,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout):
             result = fn(rank, world_size, *args, **kwargs)
     except BaseException:
         _print_prefixed(output.getvalue(), rank, sys.stdout)
+        atexit.unregister(_leave_together)  # its barrier would wait for ranks that may be waiting for this one
         raise
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (output.getvalue(), result))

@@ -220,6 +220,8 @@ class AwkwardModel(nn.Module):
     Every rank makes the same forward calls, so `sometimes` is used (or not) on all of them alike.
     """
 
+    unused_alike = ("sometimes.weight",)  # for utils.data_parallel.UsedParameters: never used on some ranks only
+
     def __init__(self, hidden_dim):
         super().__init__()
         self.embedding = nn.Embedding(4, hidden_dim)
