@@ -10,6 +10,7 @@ from utils.checks.context_parallel import (
     check_merge,
     check_ring_attention,
     check_ring_attention_backward,
+    check_zigzag,
 )
 from utils.notebooks import solution
 
@@ -26,8 +27,9 @@ def test_the_solution_passes(capsys):
     check_blockwise_attention(SOLUTION.blockwise_attention)
     check_ring_attention(SOLUTION.ring_attention_forward, 4)
     check_ring_attention_backward(SOLUTION.ring_attention_forward, SOLUTION.ring_attention_backward, 4)
+    check_zigzag(SOLUTION.zigzag_positions, SOLUTION.ring_attention_forward, SOLUTION.ring_attention_backward, 4)
     out = capsys.readouterr().out
-    assert out.count("on 2, 3, 4 ranks") == 2 and "merge:" in out and "blockwise_attention:" in out
+    assert out.count("on 2, 3, 4 ranks") == 3 and "merge:" in out and "blockwise_attention:" in out
 
 
 def test_the_reference_is_pytorchs_attention():
@@ -206,3 +208,46 @@ def test_backward_mistakes_are_named(mistake):
     with pytest.raises(AssertionError, match=hint):
         check_ring_attention_backward(SOLUTION.ring_attention_forward, wrong_one.ring_attention_backward, 3,
                                       world_sizes=())
+
+
+# ---------------------------------------------------------------- zigzag
+
+ZIGZAG = """    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                       torch.arange((2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk)])
+            for r in range(world_size)]
+"""
+ZIGZAG_MISTAKES = {
+    "chunks r and N + r": (
+        "    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),\n"
+        "                       torch.arange((world_size + r) * chunk, (world_size + r + 1) * chunk)])\n"
+        "            for r in range(world_size)]\n", r"chunks \[0, 2\] of the 4: zigzag .* \(unbalanced\)"),
+    "contiguous chunks": (
+        "    return [torch.arange(2 * r * chunk, 2 * (r + 1) * chunk) for r in range(world_size)]\n",
+        r"chunks \[0, 1\] of the 4: zigzag gives rank r chunks r and 2N-1-r"),
+    "second chunk one off": (ZIGZAG.replace("(2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk",
+                                            "(2 * world_size - r) * chunk, (2 * world_size + 1 - r) * chunk"),
+                             "outside the sequence"),
+    "chunks of S/N": (ZIGZAG.replace("    return [", "    chunk = seq_len // world_size\n    return ["),
+                      r"every rank holds 2 chunks of S/2N"),
+    "one tensor": (ZIGZAG.replace("    return [", "    return torch.stack([").replace("range(world_size)]",
+                                                                                    "range(world_size)])"),
+                   "a list of 2 tensors"),
+}
+
+
+@pytest.mark.parametrize("mistake", ZIGZAG_MISTAKES)
+def test_zigzag_mistakes_are_named(mistake):
+    new, hint = ZIGZAG_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_zigzag(wrong(ZIGZAG, new).zigzag_positions, SOLUTION.ring_attention_forward,
+                     SOLUTION.ring_attention_backward, 2, world_sizes=())
+
+
+def test_zigzag_with_the_late_chunk_first_passes():
+    late_first = wrong(ZIGZAG, ZIGZAG.replace(
+        "torch.arange(r * chunk, (r + 1) * chunk),\n                       torch.arange((2 * world_size - 1 - r) * "
+        "chunk, (2 * world_size - r) * chunk)",
+        "torch.arange((2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk),\n"
+        "                       torch.arange(r * chunk, (r + 1) * chunk)"))
+    check_zigzag(late_first.zigzag_positions, SOLUTION.ring_attention_forward, SOLUTION.ring_attention_backward, 3,
+                 world_sizes=())

@@ -30,12 +30,21 @@ def check_mask(mask):
     return mask
 
 
-def check_sizes(seq_len, world_size):
-    """The length of each rank's chunk: every rank holds the same number of positions (no padding)."""
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_sizes(seq_len, world_size, layout="contiguous"):
+    """The length of each rank's chunk: every rank holds the same number of positions (no padding); zigzag cuts the
+    sequence into 2N chunks, two per rank."""
     world_size = check_int("world_size", world_size)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if check_int("seq_len", seq_len) < world_size:
         raise ValueError(f"seq len {seq_len} is shorter than the world size {world_size}: a rank would hold no "
                          f"position of the sequence")
+    if layout == "zigzag":
+        return divide("seq_len", seq_len, "twice_the_world_size", 2 * world_size,
+                      "zigzag cuts the sequence into 2N equal chunks, two per rank")
     return divide("seq_len", seq_len, "world_size", world_size, "every rank holds an equal chunk of the sequence")
 
 
@@ -62,17 +71,61 @@ def block_mask(q_positions, k_positions, mask):
     return causal_mask(q_positions, k_positions) if check_mask(mask) == "causal" else None
 
 
-def block_attention(q, k, v, q_positions, k_positions, mask="causal"):
-    """Attention of q (..., Sq, D) against one block of keys/values (..., Sk, D): (out, lse), where lse (..., Sq) is
-    the log-sum-exp of each query's allowed scores. A query that sees no key of the block gets out 0, lse -inf:
-    the block's share of its softmax is zero."""
+def pieces(positions):
+    """The pieces a block is computed in, as (start, stop) index ranges into `positions`: its two halves (zigzag:
+    the rank's two chunks; contiguous: the two halves of its chunk), each cut where the positions jump. Computed
+    piece against piece, a block skips what the causal mask hides at half-chunk granularity, which is what lets
+    zigzag sharding balance the work."""
+    n = len(positions)
+    edges = sorted({0, n // 2, n} | set(((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist()))
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def visible_pairs(q_positions, k_positions, mask):
+    """The (query piece, key piece) pairs of a block that the mask does not hide entirely: the ones computed."""
+    return [(qr, kr) for qr in pieces(q_positions) for kr in pieces(k_positions)
+            if visible(q_positions[slice(*qr)], k_positions[slice(*kr)], mask)]
+
+
+def score_entries(q_positions, k_positions, mask="causal"):
+    """How many scores block_attention computes for this block: the work it does."""
+    return sum((qb - qa) * (kb - ka) for (qa, qb), (ka, kb) in visible_pairs(q_positions, k_positions, mask))
+
+
+def dense_attention(q, k, v, q_positions, k_positions, mask):
+    """(out, lse) of q against every key of k, masked by position. A query that sees no key gets out 0, lse -inf."""
     s = scores(q, k)
     allowed = block_mask(q_positions, k_positions, mask)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    weights = torch.exp(s - lse.clamp_min(torch.finfo(s.dtype).min)[..., None])  # exp(-inf - finite) = 0: no NaN
-    return weights @ v, lse
+    return softmax_slice(s, lse) @ v, lse
+
+
+def softmax_slice(s, lse):
+    """exp(s - lse): these scores' share of a softmax whose log-denominator is lse; exp(-inf - finite) = 0, no NaN."""
+    return torch.exp(s - lse.clamp_min(torch.finfo(s.dtype).min)[..., None])
+
+
+def block_attention(q, k, v, q_positions, k_positions, mask="causal"):
+    """Attention of q (..., Sq, D) against one block of keys/values (..., Sk, D): (out, lse), where lse (..., Sq) is
+    the log-sum-exp of each query's allowed scores; a query that sees no key of the block gets out 0, lse -inf (the
+    block's share of its softmax is zero). The block is computed piece against piece (`pieces`), skipping the pairs
+    the causal mask hides, and the pieces merged with the online softmax."""
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for (qa, qb), (ka, kb) in visible_pairs(q_positions, k_positions, mask):
+        pair = dense_attention(q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], q_positions[qa:qb],
+                               k_positions[ka:kb], mask)
+        out[..., qa:qb, :], lse[..., qa:qb] = merge_pieces(out[..., qa:qb, :], lse[..., qa:qb], *pair)
+    return out, lse
+
+
+def merge_pieces(out, lse, block_out, block_lse):
+    """The online-softmax merge (notebook 09's first exercise), for the pieces of one block: a query that sees no key
+    of either (lse -inf on both sides) keeps out 0, lse -inf."""
+    merged = torch.logaddexp(lse, block_lse)
+    shift = merged.clamp_min(torch.finfo(merged.dtype).min)[..., None]
+    return torch.exp(lse[..., None] - shift) * out + torch.exp(block_lse[..., None] - shift) * block_out, merged
 
 
 def block_attention_backward(grad_out, q, k, v, out, lse, q_positions, k_positions, mask="causal"):
@@ -80,15 +133,22 @@ def block_attention_backward(grad_out, q, k, v, out, lse, q_positions, k_positio
 
     With p = exp(s - lse) the block's slice of the softmax (not its own softmax: lse is every block's),
         dv = p^T dout,   ds = p * (dout v^T - rowsum(dout * out)),   dq = ds k / sqrt(D),   dk = ds^T q / sqrt(D).
-    The rowsum term is the whole softmax's: the same for every block, which is why out and lse are the global ones."""
-    s = scores(q, k)
-    allowed = block_mask(q_positions, k_positions, mask)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(s - lse.clamp_min(torch.finfo(s.dtype).min)[..., None])
-    ds = p * (grad_out @ v.transpose(-2, -1) - (grad_out * out).sum(-1, keepdim=True))
+    The rowsum term is the whole softmax's: the same for every block, which is why out and lse are the global ones.
+    Pairs of pieces the causal mask hides are skipped, as in the forward."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     scale = 1 / math.sqrt(q.shape[-1])
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ grad_out
+    for (qa, qb), (ka, kb) in visible_pairs(q_positions, k_positions, mask):
+        qs, ks, vs, g = q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], grad_out[..., qa:qb, :]
+        s = scores(qs, ks)
+        allowed = block_mask(q_positions[qa:qb], k_positions[ka:kb], mask)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
+        p = softmax_slice(s, lse[..., qa:qb])
+        ds = p * (g @ vs.transpose(-2, -1) - (g * out[..., qa:qb, :]).sum(-1, keepdim=True))
+        dq[..., qa:qb, :] += ds @ ks * scale
+        dk[..., ka:kb, :] += ds.transpose(-2, -1) @ qs * scale
+        dv[..., ka:kb, :] += p.transpose(-2, -1) @ g
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------- references
@@ -97,7 +157,7 @@ def reference_attention(q, k, v, mask="causal"):
     """Plain attention over the whole sequence (positions 0 .. S-1): (out, lse), the values every version must
     reproduce."""
     positions = torch.arange(q.shape[-2])
-    return block_attention(q, k, v, positions, positions, mask)
+    return dense_attention(q, k, v, positions, positions, mask)
 
 
 def sdpa(q, k, v, mask="causal"):

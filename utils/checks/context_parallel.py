@@ -152,7 +152,7 @@ def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions):
             if key_blocks(q_pos, k_pos):
                 block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :],
                                            masked_positions(q_pos), masked_positions(k_pos), mask)
-                out, lse = block if out is None else _merge(out, lse, *block)
+                out, lse = block if out is None else ra.merge_pieces(out, lse, *block)
         outs.append(out)
     return torch.cat(outs, dim=-2)
 
@@ -216,22 +216,21 @@ def check_blockwise_attention(blockwise_attention):
 
 # ---------------------------------------------------------------- ring attention
 
-RING_SIZES = dict(batch=2, heads=2, chunk=3, head_dim=4)  # chunk: positions per rank
+RING_SIZES = dict(batch=2, heads=2, head_dim=4)
+CHUNK = 3  # positions per rank in the ring's checks; 4 (two chunks of 2) in zigzag's
 
 
-def ring_inputs(world_size, seed=7):
+def ring_inputs(seq_len, seed=7):
+    """q, k, v and the gradient of the output, over the whole sequence."""
     s = RING_SIZES
-    q, k, v = ra.attention_inputs(s["batch"], s["heads"], s["chunk"] * world_size, s["head_dim"], seed)
-    grad_out = ra.attention_inputs(s["batch"], s["heads"], s["chunk"] * world_size, s["head_dim"], seed + 1)[0]
-    return q, k, v, grad_out
+    q, k, v = ra.attention_inputs(s["batch"], s["heads"], seq_len, s["head_dim"], seed)
+    return q, k, v, ra.attention_inputs(s["batch"], s["heads"], seq_len, s["head_dim"], seed + 1)[0]
 
 
-def _ring_main(rank, world_size, forward, backward, mask):
-    """One rank's run of the student's ring (forward, then backward if given), traced: its results, and per phase
-    its communication calls and block computations on one clock (the number of events so far)."""
-    q, k, v, grad_out = ring_inputs(world_size)
-    positions = ra.chunk_positions(q.shape[-2], world_size)
-    q, k, v, grad_out = (t[..., positions[rank], :].clone() for t in (q, k, v, grad_out))
+def _ring_main(rank, world_size, forward, backward, mask, positions):
+    """One rank's run of the student's ring (forward, then backward if given) on its positions, traced: its results,
+    and per phase its communication calls and block computations on one clock (the number of events so far)."""
+    q, k, v, grad_out = (t[..., positions[rank], :].clone() for t in ring_inputs(sum(map(len, positions))))
     result = {}
     phases = [("forward", lambda: forward(q, k, v, positions, mask))]
     if backward is not None:
@@ -252,12 +251,10 @@ def _ring_main(rank, world_size, forward, backward, mask):
     return result
 
 
-def _simulated_ring(q, k, v, world_size, mask, variant):
-    """Ring attention's out on every rank as a usual mistake computes it (single process)."""
-    positions = ra.chunk_positions(q.shape[-2], world_size)
-    outs = []
-    for rank in range(world_size):
-        mine = positions[rank]
+def _simulated_ring(q, k, v, positions, mask, variant):
+    """Ring attention's out on every rank, in sequence order, as a usual mistake computes it (single process)."""
+    world_size, out_by_position = len(positions), torch.empty_like(q)
+    for rank, mine in enumerate(positions):
         out = lse = None
         for step in range(world_size):
             source = (rank - step) % world_size
@@ -270,14 +267,9 @@ def _simulated_ring(q, k, v, world_size, mask, variant):
                 continue
             block = ra.block_attention(q[..., mine, :], k[..., positions[held], :], v[..., positions[held], :],
                                        mine, k_positions, mask)
-            out, lse = block if out is None or variant == "replaced" else _merge(out, lse, *block)
-        outs.append(out)
-    return torch.cat(outs, dim=-2)
-
-
-def _merge(out, lse, block_out, block_lse):
-    merged = torch.logaddexp(lse, block_lse)
-    return torch.exp(lse - merged)[..., None] * out + torch.exp(block_lse - merged)[..., None] * block_out, merged
+            out, lse = block if out is None or variant == "replaced" else ra.merge_pieces(out, lse, *block)
+        out_by_position[..., mine, :] = out
+    return out_by_position
 
 
 RING_MISTAKES = {
@@ -301,23 +293,22 @@ def _protocol_problems(results, phase):
         if used:
             return (f"rank {rank} calls dist.{used[0]} in the {phase}: ring attention passes blocks to its neighbour "
                     f"with isend/irecv (the all-gather version is section 6's)")
-        unwaited = [i for i, (name, _, blocking, _, waited) in enumerate(log) if waited is None]
+        unwaited = [name for name, _, _, _, waited in log if waited is None]
         if unwaited:
-            name = log[unwaited[0]][0]
-            return (f"rank {rank}'s {phase}: a {name} was never waited for: its buffer may be read (or reused) "
+            return (f"rank {rank}'s {phase}: a {unwaited[0]} was never waited for: its buffer may be read (or reused) "
                     f"before the data has arrived (or left). Wait for every isend and irecv")
     return None
 
 
-def _ring_run_problems(results, world_size, mask, phase, kv_bytes):
+def _ring_run_problems(results, positions, mask, phase, kv_bytes):
     """What is wrong with how the ring ran (not its values), or None."""
+    world_size = len(positions)
     for rank, result in enumerate(results):
-        log = result[phase + " log"]
-        positions = ra.chunk_positions(world_size * RING_SIZES["chunk"], world_size)
+        log, mine = result[phase + " log"], positions[rank]
         want = [positions[(rank - s) % world_size].tolist() for s in range(world_size)]
-        want = [kp for kp in want if ra.visible(positions[rank], torch.tensor(kp), mask)]
+        want = [kp for kp in want if ra.visible(mine, torch.tensor(kp), mask)]
         got = [kp for kp, _ in result[phase + " blocks"]]
-        hidden = [kp for kp in got if not ra.visible(positions[rank], torch.tensor(kp), mask)]
+        hidden = [kp for kp in got if not ra.visible(mine, torch.tensor(kp), mask)]
         if hidden:
             return (f"rank {rank}'s {phase} computed {len(hidden)} block(s) whose every key comes after every query "
                     f"(keys at positions {hidden[0][0]}..{hidden[0][-1]}): skip them, they contribute nothing; the "
@@ -343,117 +334,183 @@ def _raise(n, mask, problem):
         raise AssertionError(f"{n} ranks, mask {mask!r}: {problem}")
 
 
-def _spawn_ring(forward, backward, world_size, mask, timeout):
+def _spawn_ring(forward, backward, positions, mask, timeout):
     return spawn_explaining_stalls(
-        _ring_main, world_size, forward, backward, mask, timeout=timeout,
+        _ring_main, len(positions), forward, backward, mask, positions, timeout=timeout,
         hint=("the ring stalls: some rank waits for a block that never comes. Each rank sends to rank + 1 and "
               "receives from rank - 1, every step but the last (in the backward, the key/value gradients also travel "
               "at the last step, home to their owner); every isend and irecv must be waited for"),
         sizes="each receive buffer has the shape of the block its neighbour sends")
 
 
-def kv_bytes_per_rank(world_size, dtype=torch.float64, backward=False):
+def kv_bytes_per_rank(world_size, chunk, dtype=torch.float64, backward=False):
     """What a rank sends: its keys and values, N-1 times; in the backward also their gradients, N times."""
     s = RING_SIZES
-    kv = 2 * s["batch"] * s["heads"] * s["chunk"] * s["head_dim"] * torch.finfo(dtype).bits // 8
+    kv = 2 * s["batch"] * s["heads"] * chunk * s["head_dim"] * torch.finfo(dtype).bits // 8
     return kv * (world_size - 1) + (kv * world_size if backward else 0)
+
+
+def _ring_forward_checked(forward, positions, mask, timeout):
+    """Run the student's forward on these positions and check it; return the runs."""
+    n = len(positions)
+    q, k, v, _ = ring_inputs(sum(map(len, positions)))
+    results = _spawn_ring(forward, None, positions, mask, timeout)
+    _raise(n, mask, _protocol_problems(results, "forward"))
+    want_out, want_lse = ra.reference_attention(q, k, v, mask)
+    for rank, result in enumerate(results):
+        got, mine = result["forward"], positions[rank]
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise AssertionError(f"rank {rank}: ring_attention_forward must return (out, lse), "
+                                 f"got {type(got).__name__}")
+        got_out, got_lse = got
+        want = want_out[..., mine, :]
+        if got_out is None or got_out.shape != want.shape:
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out has shape "
+                                 f"{tuple(getattr(got_out, 'shape', ()))}, expected {tuple(want.shape)} (its "
+                                 f"queries' chunk)")
+        if not _close(got_out, want):
+            everyone = torch.empty_like(q)
+            for r, other in enumerate(results):
+                everyone[..., positions[r], :] = other["forward"][0]
+            hint = _confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)
+                                         for variant, h in RING_MISTAKES.items()])
+            if hint is None and mask == "causal" and _close(everyone, ra.reference_attention(q, k, v, "none")[0]):
+                hint = "no causal mask was applied: pass the mask to block_attention"
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
+                                 f"positions {[mine[i].item() for i in _where(got_out, want, -2)]}"
+                                 + (f": {hint}" if hint else ""))
+        if not _close(got_lse, want_lse[..., mine]):
+            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out is right but its lse is not the "
+                                 f"log-sum-exp of its queries' scores over every key: return the merged lse")
+    _raise(n, mask, _ring_run_problems(results, positions, mask, "forward", kv_bytes_per_rank(n, len(positions[0]))))
+
+
+def _ring_backward_checked(forward, backward, positions, mask, timeout):
+    n = len(positions)
+    q, k, v, grad_out = ring_inputs(sum(map(len, positions)))
+    results = _spawn_ring(forward, backward, positions, mask, timeout)
+    _raise(n, mask, _protocol_problems(results, "backward"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ra.reference_attention(*leaves, mask)[0].backward(grad_out)
+    for rank, result in enumerate(results):
+        got = result["backward"]
+        if not (isinstance(got, tuple) and len(got) == 3):
+            raise AssertionError(f"rank {rank}: ring_attention_backward must return (dq, dk, dv)")
+        for name, value, leaf in zip(("dq", "dk", "dv"), got, leaves):
+            want = leaf.grad[..., positions[rank], :]
+            if value is None or value.shape != want.shape:
+                raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
+                                     f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
+            if not _close(value, want):
+                hint = _backward_hint(name, value, leaf.grad, rank, positions, q, k, v, grad_out, mask)
+                raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from autograd's "
+                                     f"through plain attention by up to {max_abs_diff(value, want):.3g}"
+                                     + (f": {hint}" if hint else ""))
+    _raise(n, mask, _ring_run_problems(results, positions, mask, "backward",
+                                       kv_bytes_per_rank(n, len(positions[0]), backward=True)))
 
 
 def check_ring_attention(ring_attention_forward, world_size, world_sizes=WORLD_SIZES, timeout=CHECK_TIMEOUT):
     """Ring attention's forward: every rank's (out, lse) equal plain attention's for its chunk, causal and not."""
     sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
     for n in sizes:
-        q, k, v, _ = ring_inputs(n)
         for mask in ra.MASKS:
-            results = _spawn_ring(ring_attention_forward, None, n, mask, timeout)
-            _raise(n, mask, _protocol_problems(results, "forward"))
-            want_out, want_lse = ra.reference_attention(q, k, v, mask)
-            _check_ring_values(results, q, k, v, want_out, want_lse, n, mask)
-            _raise(n, mask, _ring_run_problems(results, n, mask, "forward", kv_bytes_per_rank(n)))
+            _ring_forward_checked(ring_attention_forward, ra.chunk_positions(CHUNK * n, n), mask, timeout)
     print(f"ring_attention_forward: out and lse equal plain attention (1e-12) on {', '.join(map(str, sizes))} ranks, "
           f"causal and not; hidden blocks skipped, the next block in flight during each compute, "
           f"(N-1) x keys and values sent")
-
-
-def _check_ring_values(results, q, k, v, want_out, want_lse, n, mask):
-    chunk = RING_SIZES["chunk"]
-    for rank, result in enumerate(results):
-        got = result["forward"]
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise AssertionError(f"rank {rank}: ring_attention_forward must return (out, lse), "
-                                 f"got {type(got).__name__}")
-        got_out, got_lse = got
-        want = want_out[..., rank * chunk:(rank + 1) * chunk, :]
-        if got_out is None or got_out.shape != want.shape:
-            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out has shape "
-                                 f"{tuple(getattr(got_out, 'shape', ()))}, expected {tuple(want.shape)} (its "
-                                 f"queries' chunk)")
-        if not _close(got_out, want):
-            everyone = torch.cat([r["forward"][0] for r in results], dim=-2)
-            hint = _confirmed(everyone, [(_simulated_ring(q, k, v, n, mask, variant), h)
-                                         for variant, h in RING_MISTAKES.items()])
-            if hint is None and mask == "causal" and _close(everyone, ra.reference_attention(q, k, v, "none")[0]):
-                hint = "no causal mask was applied: pass the mask to block_attention"
-            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
-                                 f"positions {[rank * chunk + i for i in _where(got_out, want, -2)]}"
-                                 + (f": {hint}" if hint else ""))
-        if not _close(got_lse, want_lse[..., rank * chunk:(rank + 1) * chunk]):
-            raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out is right but its lse is not the "
-                                 f"log-sum-exp of its queries' scores over every key: return the merged lse")
 
 
 def check_ring_attention_backward(ring_attention_forward, ring_attention_backward, world_size,
                                   world_sizes=WORLD_SIZES, timeout=CHECK_TIMEOUT):
     """Ring attention's backward: every rank's (dq, dk, dv) equal autograd's through plain attention."""
     sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
-    chunk = RING_SIZES["chunk"]
     for n in sizes:
-        q, k, v, grad_out = ring_inputs(n)
         for mask in ra.MASKS:
-            results = _spawn_ring(ring_attention_forward, ring_attention_backward, n, mask, timeout)
-            _raise(n, mask, _protocol_problems(results, "backward"))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            ra.reference_attention(*leaves, mask)[0].backward(grad_out)
-            for rank, result in enumerate(results):
-                got = result["backward"]
-                if not (isinstance(got, tuple) and len(got) == 3):
-                    raise AssertionError(f"rank {rank}: ring_attention_backward must return (dq, dk, dv)")
-                for name, value, leaf in zip(("dq", "dk", "dv"), got, leaves):
-                    want = leaf.grad[..., rank * chunk:(rank + 1) * chunk, :]
-                    if value is None or value.shape != want.shape:
-                        raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
-                                             f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
-                    if not _close(value, want):
-                        hint = _backward_hint(name, value, leaf.grad, rank, n, q, k, v, grad_out, mask)
-                        raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from "
-                                             f"autograd's through plain attention by up to "
-                                             f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
-            _raise(n, mask, _ring_run_problems(results, n, mask, "backward", kv_bytes_per_rank(n, backward=True)))
+            _ring_backward_checked(ring_attention_forward, ring_attention_backward, ra.chunk_positions(CHUNK * n, n),
+                                   mask, timeout)
     print(f"ring_attention_backward: dq, dk and dv equal autograd's through plain attention (1e-12) on "
           f"{', '.join(map(str, sizes))} ranks, causal and not; the next block in flight during each compute, the "
           f"key/value gradients home after N steps")
 
 
-def _backward_hint(name, value, full_grad, rank, n, q, k, v, grad_out, mask):
+def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, mask):
     """The confirmed reason a rank's dq, dk or dv is wrong, or None."""
-    chunk = RING_SIZES["chunk"]
-    candidates = []
+    candidates, n, mine = [], len(positions), positions[rank]
     if name in ("dk", "dv"):
         following = (rank + 1) % n
-        candidates.append((full_grad[..., following * chunk:(following + 1) * chunk, :],
+        candidates.append((full_grad[..., positions[following], :],
                            f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
                            f"the last step they travel once more, home to their owner"))
-        positions = ra.chunk_positions(q.shape[-2], n)
-        mine = positions[rank]
         out, lse = ra.reference_attention(q, k, v, mask)
         kept = torch.zeros_like(k[..., mine, :])  # every block's share added into one buffer that never moves
-        for source in range(n):
-            if ra.visible(mine, positions[source], mask):
+        for theirs in positions:
+            if ra.visible(mine, theirs, mask):
                 kept += ra.block_attention_backward(
-                    grad_out[..., mine, :], q[..., mine, :], k[..., positions[source], :], v[..., positions[source], :],
-                    out[..., mine, :], lse[..., mine], mine, positions[source], mask)[1 if name == "dk" else 2]
+                    grad_out[..., mine, :], q[..., mine, :], k[..., theirs, :], v[..., theirs, :],
+                    out[..., mine, :], lse[..., mine], mine, theirs, mask)[1 if name == "dk" else 2]
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
                                  "block came from, so the gradients travel the ring with their block, every rank "
                                  "adding its share, and arrive home after N steps"))
     return _confirmed(value, candidates)
 
+
+# ---------------------------------------------------------------- zigzag
+
+def zigzag_reference(seq_len, world_size):
+    """Rank r's positions under zigzag sharding: chunks r and 2N-1-r of the sequence cut into 2N."""
+    chunk = ra.check_sizes(seq_len, world_size, "zigzag")
+    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                       torch.arange((2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk)])
+            for r in range(world_size)]
+
+
+def work_per_rank(positions, mask="causal"):
+    """Scores each rank computes in a whole ring (ra.block_attention's pieces): the load."""
+    return [sum(ra.score_entries(mine, theirs, mask) for theirs in positions if ra.visible(mine, theirs, mask))
+            for mine in positions]
+
+
+def _layout_problem(got, seq_len, n):
+    if not (isinstance(got, (list, tuple)) and len(got) == n and all(isinstance(p, torch.Tensor) for p in got)):
+        return f"zigzag_positions must return a list of {n} tensors of positions, one per rank"
+    chunk = seq_len // (2 * n)
+    for rank, mine in enumerate(got):
+        if mine.dtype != torch.int64 or mine.dim() != 1 or len(mine) != 2 * chunk:
+            return (f"rank {rank} holds {tuple(mine.shape)} positions of dtype {mine.dtype}: every rank holds "
+                    f"2 chunks of S/2N = {chunk} positions, a 1-D int64 tensor")
+    held = torch.cat(list(got))
+    counts = torch.bincount(held.clamp(0, seq_len), minlength=seq_len + 1)
+    if held.min() < 0 or held.max() >= seq_len:
+        return f"a position outside the sequence 0..{seq_len - 1} is held: {held[(held < 0) | (held >= seq_len)][0]}"
+    if (counts[:seq_len] != 1).any():
+        position = (counts[:seq_len] != 1).nonzero()[0].item()
+        owners = [r for r, mine in enumerate(got) if (mine == position).any()]
+        return (f"position {position} is held by {'no rank' if not owners else 'ranks ' + str(owners)}: every "
+                f"position must be held by exactly one rank")
+    want = zigzag_reference(seq_len, n)
+    for rank, mine in enumerate(got):
+        chunks = sorted({p // chunk for p in mine.tolist()})
+        if sorted(mine.tolist()) != sorted(want[rank].tolist()):
+            work = work_per_rank(list(got))
+            return (f"rank {rank} holds chunks {chunks} of the {2 * n}: zigzag gives rank r chunks r and 2N-1-r "
+                    f"({rank} and {2 * n - 1 - rank}). Causal scores per rank with this layout: {work}" +
+                    (" (unbalanced)" if len(set(work)) > 1 else ""))
+    return None
+
+
+def check_zigzag(zigzag_positions, ring_attention_forward, ring_attention_backward, world_size,
+                 world_sizes=WORLD_SIZES, timeout=CHECK_TIMEOUT):
+    """Zigzag positions: rank r holds chunks r and 2N-1-r; the ring, unchanged, gives plain attention's values on
+    them, and every rank computes the same number of scores."""
+    sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
+    for n in sizes:
+        seq_len = 4 * n
+        got = zigzag_positions(seq_len, n)
+        problem = _layout_problem(got, seq_len, n)
+        if problem:
+            raise AssertionError(f"{n} ranks, sequence {seq_len}: {problem}")
+        _ring_forward_checked(ring_attention_forward, list(got), "causal", timeout)
+        _ring_backward_checked(ring_attention_forward, ring_attention_backward, list(got), "causal", timeout)
+    print(f"zigzag_positions: rank r holds chunks r and 2N-1-r on {', '.join(map(str, sizes))} ranks; the ring's out, "
+          f"lse, dq, dk and dv on them equal plain attention's (1e-12), and every rank computes as many scores")
