@@ -95,11 +95,19 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def causal_self_attention(q, k, v, positions):
+    """Causal attention of a sequence's tokens among themselves: the mask from their positions."""
+    return attention(q, k, v, causal_mask(positions, positions))
+
+
 class Attention(nn.Module):
     def __init__(self, sizes):
         super().__init__()
         self.head_dim, self.rope_theta = sizes.head_dim, sizes.rope_theta
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(sizes.dim, sizes.dim, bias=False) for _ in range(4))
+        # attend(q, k, v, positions) -> out, each (batch, heads, seq, head_dim): context parallelism replaces it with
+        # ring attention, whose keys come from every rank
+        self.attend = causal_self_attention
 
     def forward(self, x, positions):
         """x (batch, seq, dim) at global `positions` (seq,). The heads are counted from the projections' width, so
@@ -108,7 +116,7 @@ class Attention(nn.Module):
         q, k, v = (split_heads(w(x), self.head_dim) for w in (self.wq, self.wk, self.wv))
         cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal_mask(positions, positions))
+        out = self.attend(q, k, v, positions)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

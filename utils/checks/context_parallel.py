@@ -14,8 +14,17 @@ import torch
 
 from utils import ring_attention as ra
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, spawn_explaining_stalls
+from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
 from utils.launch import runnable_world_sizes
+from utils.transformer import (
+    TransformerSizes,
+    build_transformer,
+    causal_self_attention,
+    lm_loss,
+    make_tokens,
+    train_transformer_reference,
+)
 
 WORLD_SIZES = (2, 3, 4)
 
@@ -514,3 +523,93 @@ def check_zigzag(zigzag_positions, ring_attention_forward, ring_attention_backwa
         _ring_backward_checked(ring_attention_forward, ring_attention_backward, list(got), "causal", timeout)
     print(f"zigzag_positions: rank r holds chunks r and 2N-1-r on {', '.join(map(str, sizes))} ranks; the ring's out, "
           f"lse, dq, dk and dv on them equal plain attention's (1e-12), and every rank computes as many scores")
+
+
+# ---------------------------------------------------------------- training the transformer
+
+TRAIN_SIZES = TransformerSizes(seq_len=24)  # splits into 2, 3 and 4 chunks, and into 2N for zigzag
+TRAIN_STEPS = 3
+
+
+def _rope_at(positions_by_rank, sizes, seed=0):
+    """Step 0's loss of the whole batch when RoPE rotates each token by `rope[r]` on rank r instead of its global
+    position, the mask still by global positions: what a rank that passes its local positions computes."""
+    model = build_transformer(sizes, seed)
+    seq = torch.arange(sizes.seq_len)
+    use_attention(model, lambda q, k, v, _: causal_self_attention(q, k, v, seq))
+    rope = torch.empty(sizes.seq_len, dtype=torch.int64)
+    for mine in positions_by_rank:
+        rope[mine] = torch.arange(len(mine))
+    inputs, targets = make_tokens(sizes, seed, 0)
+    return lm_loss(model(inputs, rope), targets).item()
+
+
+def _first_gradients(sizes, seed=0):
+    model = build_transformer(sizes, seed)
+    inputs, targets = make_tokens(sizes, seed, 0)
+    lm_loss(model(inputs), targets).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _gradient_hint(runs, want, n):
+    """Why the gradients the first step used are not the whole batch's (on every rank), or None."""
+    for name, expected in want.items():
+        got = [grads.get(name) for _, _, grads in runs]
+        if any(g is None for g in got):
+            return f"{name}'s gradient is None on some rank at the optimizer step"
+        if all(_close(g, expected) for g in got):
+            continue
+        if any(not _close(g, got[0]) for g in got[1:]):
+            return (f"{name}'s gradient differs between the ranks at the optimizer step: each rank holds only its "
+                    f"tokens' share, so average every gradient over the ranks (all-reduce, then divide by N)")
+        for factor, hint in [(n, f"it is {n} times the whole batch's: the sum over ranks of each rank's mean loss's "
+                                 f"gradient, where the mean is wanted (divide by the world size)"),
+                             (1 / n, f"it is the whole batch's divided by {n} once more")]:
+            if _close(got[0], expected * factor):
+                return f"{name}'s gradient at the optimizer step: {hint}"
+        return (f"{name}'s gradient at the optimizer step differs from the whole batch's by up to "
+                f"{max_abs_diff(got[0], expected):.3g}")
+    return None
+
+
+def check_context_parallel_training(forward_backward, ring_attention, world_size, world_sizes=WORLD_SIZES,
+                                    timeout=CHECK_TIMEOUT):
+    """The transformer trained with context parallelism (ring attention, contiguous and zigzag chunks) equals the
+    single-process run: losses, the first step's gradients, the final parameters (float64, 1e-12)."""
+    sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
+    want_params, want_losses = train_transformer_reference(TRAIN_SIZES, TRAIN_STEPS, lr=LEARNING_RATE)
+    want_grads = _first_gradients(TRAIN_SIZES)
+    for n in sizes:
+        for layout, positions in [("contiguous", ra.chunk_positions(TRAIN_SIZES.seq_len, n)),
+                                  ("zigzag", zigzag_reference(TRAIN_SIZES.seq_len, n))]:
+            case = f"{n} ranks, {layout} chunks"
+            runs = spawn_explaining_stalls(
+                train_main, n, forward_backward, ring_attention, positions, TRAIN_SIZES, TRAIN_STEPS,
+                timeout=timeout, hint="training stalls: every rank must make the same collectives in the same order "
+                                      "(the ring's, then one all-reduce per parameter)")
+            losses = [r[1] for r in runs]
+            if any(not isinstance(loss, float) for run in losses for loss in run):
+                raise AssertionError(f"{case}: forward_backward must return this rank's loss (a one-element tensor)")
+            mean_first = sum(run[0] for run in losses) / n
+            if abs(mean_first - want_losses[0]) > TOLERANCE:
+                local = _rope_at(positions, TRAIN_SIZES)
+                hint = (": RoPE rotated each token by its position within its rank's chunk; pass the chunk's "
+                        "global positions to the model (model(tokens, positions)), as the ring masks by them"
+                        if abs(mean_first - local) < TOLERANCE else "")
+                raise AssertionError(f"{case}: step 0's loss, averaged over the ranks, is {mean_first:.12g}; one "
+                                     f"process's is {want_losses[0]:.12g}{hint}")
+            problem = _gradient_hint(runs, want_grads, n)
+            if problem:
+                raise AssertionError(f"{case}: {problem}")
+            for name, expected in want_params.items():
+                for rank, (params, _, _) in enumerate(runs):
+                    if not _close(params[name], expected):
+                        raise AssertionError(f"{case}: after {TRAIN_STEPS} steps rank {rank}'s {name} differs from one "
+                                             f"process's by up to {max_abs_diff(params[name], expected):.3g}")
+            for step in range(TRAIN_STEPS):
+                mean = sum(run[step] for run in losses) / n
+                if abs(mean - want_losses[step]) > TOLERANCE:
+                    raise AssertionError(f"{case}: step {step}'s loss averaged over the ranks is {mean:.12g}, one "
+                                         f"process's {want_losses[step]:.12g}")
+    print(f"context parallel training: {TRAIN_STEPS} AdamW steps of the transformer on {', '.join(map(str, sizes))} "
+          f"ranks, contiguous and zigzag chunks, equal one process's run (losses, gradients, weights; 1e-12)")
