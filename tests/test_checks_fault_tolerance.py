@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 
-from utils import fault_tolerance as ft
-from utils import fsdp
+from utils import checkpoint as ckpt  # as: `checkpoint` is this file's helper that runs check_checkpoint
+from utils import elastic, fsdp, sharded_run
 from utils.checks.fault_tolerance import (
     _save_any_main,
     any_tensors,
@@ -23,7 +23,7 @@ from utils.launch import spawn
 from utils.notebooks import solution
 
 NOTEBOOK = "08_fault_tolerance"
-SIZES = ft.RunSizes(hidden_dim=8, num_layers=3, dataset_size=52, global_batch_size=12, num_steps=6)
+SIZES = sharded_run.RunSizes(hidden_dim=8, num_layers=3, dataset_size=52, global_batch_size=12, num_steps=6)
 STOP_AFTER = 5
 
 
@@ -57,19 +57,20 @@ def test_right_answers_pass_on_other_world_sizes():
 
 def test_latest_checkpoint_may_read_the_metadata():
     """The fake complete checkpoints hold metadata as a save writes it: an answer that reads it is right."""
-    reads = edited({"and os.path.exists(ft.metadata_path(os.path.join(root, name)))]":
-                    "and os.path.exists(ft.metadata_path(os.path.join(root, name)))\n"
-                    "                and __import__('json').load(open(ft.metadata_path(os.path.join(root, name))))]"})
+    reads = edited({"and os.path.exists(checkpoint.metadata_path(os.path.join(root, name)))]":
+                    "and os.path.exists(checkpoint.metadata_path(os.path.join(root, name)))\n"
+                    "                and __import__('json').load(open(checkpoint.metadata_path("
+                    "os.path.join(root, name))))]"})
     check_latest_checkpoint(reads.latest_checkpoint)
 
 
 def test_sizes_fail_before_any_rank_starts():
     with pytest.raises(ValueError, match="global batch size 12 is not divisible by world size 5"):
-        ft.check_run_sizes(SIZES, 5)
+        sharded_run.check_run_sizes(SIZES, 5)
     with pytest.raises(ValueError, match="larger than the dataset"):
-        ft.RunSizes(8, 3, 10, 12, 6)
+        sharded_run.RunSizes(8, 3, 10, 12, 6)
     with pytest.raises(TypeError, match="num_replicas must be an int"):
-        ft.check_sampler_sizes(10, 2.0, 0)
+        sharded_run.check_sampler_sizes(10, 2.0, 0)
     with pytest.raises(ValueError, match="stop_after must be below num_steps=6"):
         checkpoint_sol = solution(NOTEBOOK)
         check_checkpoint(checkpoint_sol.save_checkpoint, checkpoint_sol.load_checkpoint, checkpoint_sol.ShardedSampler,
@@ -79,34 +80,34 @@ def test_sizes_fail_before_any_rank_starts():
 def test_read_metadata_names_the_file_and_the_problem():
     shapes = {"w": (2, 3)}
     with tempfile.TemporaryDirectory() as d:
-        with pytest.raises(ft.CheckpointError, match="metadata.json: not found"):
-            ft.read_metadata(d, shapes)
+        with pytest.raises(ckpt.CheckpointError, match="metadata.json: not found"):
+            ckpt.read_metadata(d, shapes)
         metadata = {"world_size": 2, "shapes": {"w": [2, 3]}, "dtypes": {"w": "torch.int64"}, "step": 1,
                     "sampler": {}, "shard_bytes": [5]}
-        ft.write_metadata(d, metadata)
-        with pytest.raises(ft.CheckpointError, match="corrupted: 1 shard sizes for world size 2"):
-            ft.read_metadata(d, shapes)
-        ft.write_metadata(d, {**metadata, "shard_bytes": [5, 5]})
-        with pytest.raises(ft.CheckpointError, match="'w' has shape \\(2, 3\\) in the checkpoint, \\(3, 2\\)"):
-            ft.read_metadata(d, {"w": (3, 2)})
-        with pytest.raises(ft.CheckpointError, match="has no 'v': it is from another model"):
-            ft.read_metadata(d, {"v": (2, 3)})
-        assert ft.read_metadata(d, shapes)["shapes"] == {"w": (2, 3)}
-        assert ft.read_metadata(d, shapes)["dtypes"] == {"w": torch.int64}
-        ft.write_metadata(d, {**metadata, "shard_bytes": [5, 5], "dtypes": {"w": "torch.nn"}})
-        with pytest.raises(ft.CheckpointError, match="metadata.json: corrupted: the dtype of 'w' is 'torch.nn', not"):
-            ft.read_metadata(d, shapes)
-        ft.write_metadata(d, {**metadata, "shard_bytes": [5, 5]})
-        with pytest.raises(ft.CheckpointError, match="shard_0.pt: missing"):
-            ft.read_shard(d, 0, ft.read_metadata(d, shapes))
-        with open(ft.shard_path(d, 1), "wb") as f:
+        ckpt.write_metadata(d, metadata)
+        with pytest.raises(ckpt.CheckpointError, match="corrupted: 1 shard sizes for world size 2"):
+            ckpt.read_metadata(d, shapes)
+        ckpt.write_metadata(d, {**metadata, "shard_bytes": [5, 5]})
+        with pytest.raises(ckpt.CheckpointError, match="'w' has shape \\(2, 3\\) in the checkpoint, \\(3, 2\\)"):
+            ckpt.read_metadata(d, {"w": (3, 2)})
+        with pytest.raises(ckpt.CheckpointError, match="has no 'v': it is from another model"):
+            ckpt.read_metadata(d, {"v": (2, 3)})
+        assert ckpt.read_metadata(d, shapes)["shapes"] == {"w": (2, 3)}
+        assert ckpt.read_metadata(d, shapes)["dtypes"] == {"w": torch.int64}
+        ckpt.write_metadata(d, {**metadata, "shard_bytes": [5, 5], "dtypes": {"w": "torch.nn"}})
+        with pytest.raises(ckpt.CheckpointError, match="metadata.json: corrupted: the dtype of 'w' is 'torch.nn', not"):
+            ckpt.read_metadata(d, shapes)
+        ckpt.write_metadata(d, {**metadata, "shard_bytes": [5, 5]})
+        with pytest.raises(ckpt.CheckpointError, match="shard_0.pt: missing"):
+            ckpt.read_shard(d, 0, ckpt.read_metadata(d, shapes))
+        with open(ckpt.shard_path(d, 1), "wb") as f:
             f.write(b"12345")
-        with pytest.raises(ft.CheckpointError, match="shard_1.pt: unreadable"):
-            ft.read_shard(d, 1, ft.read_metadata(d, shapes))
-        with open(ft.metadata_path(d), "w") as f:
+        with pytest.raises(ckpt.CheckpointError, match="shard_1.pt: unreadable"):
+            ckpt.read_shard(d, 1, ckpt.read_metadata(d, shapes))
+        with open(ckpt.metadata_path(d), "w") as f:
             json.dump([1], f)
-        with pytest.raises(ft.CheckpointError, match="corrupted: 'world_size' is missing"):
-            ft.read_metadata(d, shapes)
+        with pytest.raises(ckpt.CheckpointError, match="corrupted: 'world_size' is missing"):
+            ckpt.read_metadata(d, shapes)
         assert sorted(os.listdir(d)) == ["metadata.json", "shard_1.pt"]  # a reader writes nothing
 
 
@@ -129,7 +130,7 @@ def test_tensors_of_any_dtype_and_size_round_trip_on_every_world_size():
     """int64 beyond 2**53, float32, bfloat16 and a tensor with no elements, saved on N and loaded on M ranks (N, M in
     1..4; ranks that hold only padding among them): bit for bit, each in its own dtype."""
     sol = solution(NOTEBOOK)
-    verify_any_tensors(ft.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint), [1, 2, 3, 4],
+    verify_any_tensors(sharded_run.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint), [1, 2, 3, 4],
                        [1, 2, 3, 4])
 
 
@@ -169,7 +170,7 @@ def test_any_tensors_load_as_torch_distributed_checkpoint_loads_them(saved_on, l
 
 
 def test_steps_per_epoch_do_not_depend_on_the_world_size():
-    assert {ft.check_run_sizes(SIZES, n)[1] for n in (1, 2, 3, 4)} == {4}
+    assert {sharded_run.check_run_sizes(SIZES, n)[1] for n in (1, 2, 3, 4)} == {4}
 
 
 # ---------------------------------------------------------------- they fail, saying why
@@ -227,8 +228,8 @@ CHECKPOINT = [
     ({"        sharded[name] = F.pad(mine, (0, new - mine.numel()))  # the padding is never read\n":
       "        sharded[name] = mine\n"}, NOT_RESHARDED),
     # AdamW's step count not restored
-    ({'return ft.TrainState(sharded, metadata["step"], metadata["sampler"], rng)':
-      'return ft.TrainState(sharded, 0, metadata["sampler"], rng)'}, "loaded step 0; 5 were saved"),
+    ({'return sharded_run.TrainState(sharded, metadata["step"], metadata["sampler"], rng)':
+      'return sharded_run.TrainState(sharded, 0, metadata["sampler"], rng)'}, "loaded step 0; 5 were saved"),
     # the sampler's position not saved
     ({'"sampler": state.sampler,': '"sampler": {"seed": state.sampler["seed"], "step": 0},'},
      "loaded the sampler position"),
@@ -242,7 +243,7 @@ CHECKPOINT = [
     ({"    dist.barrier()  # no rank goes on before the metadata is written: the checkpoint is complete\n": ""},
      "save_checkpoint returned on rank \\d before rank 0 had written the metadata"),
     # every rank writes the metadata
-    ({"    if rank == 0:\n        ft.write_metadata": "    if True:\n        ft.write_metadata"},
+    ({"    if rank == 0:\n        checkpoint.write_metadata": "    if True:\n        checkpoint.write_metadata"},
      "rank \\d wrote the metadata: only rank 0 writes it"),
     # the file sizes assumed to be rank 0's (no collective): the metadata can come before the other shards
     ({"    shard_bytes = torch.zeros(world_size, dtype=torch.int64)\n"
@@ -268,8 +269,8 @@ CHECKPOINT = [
     ({',\n                                      "dtypes": {name: str(tensor.dtype) for name, tensor in '
       'state.sharded.items()}})': "})"}, "the metadata's 'dtypes' is None; it must give every tensor's dtype"),
     # the metadata read by hand: a corrupted file's error does not name it
-    ({"    metadata = ft.read_metadata(directory, shapes)\n":
-      "    metadata = __import__('json').load(open(ft.metadata_path(directory)))\n"},
+    ({"    metadata = checkpoint.read_metadata(directory, shapes)\n":
+      "    metadata = __import__('json').load(open(checkpoint.metadata_path(directory)))\n"},
      "corrupted metadata raised .* must name metadata.json"),
 ]
 
@@ -282,8 +283,8 @@ def test_wrong_checkpoint_fails(replace, match):
 
 def test_a_new_rank_given_another_ranks_rng_state_fails():
     """Saved on 2, loaded on 3: rank 2 did not exist, and must not share another rank's random numbers."""
-    same = edited({'        rng = ft.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], rank)\n':
-                   '        rng = ft.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], 0)\n'})
+    same = edited({'        rng = sharded_run.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], rank)\n':
+                   '        rng = sharded_run.fresh_rng_state(metadata["sampler"]["seed"], metadata["step"], 0)\n'})
     with pytest.raises(AssertionError, match="rank 2, which did not exist when the checkpoint was saved, did not get"):
         checkpoint(same, world_size=2)
 
@@ -291,18 +292,18 @@ def test_a_new_rank_given_another_ranks_rng_state_fails():
 def test_resumed_run_without_adamw_state_is_caught():
     """A TrainState applied without the moments: the loaded state is right, the resumed weights are not."""
     sol = solution(NOTEBOOK)
-    original = ft.ShardedRun.load_state
+    original = sharded_run.ShardedRun.load_state
 
     def without_moments(self, state):
         original(self, state)
         self.optimizer.state.clear()
 
-    ft.ShardedRun.load_state = without_moments
+    sharded_run.ShardedRun.load_state = without_moments
     try:
         with pytest.raises(AssertionError, match="weight 0 differs from the uninterrupted run's"):
             checkpoint(sol)
     finally:
-        ft.ShardedRun.load_state = original
+        sharded_run.ShardedRun.load_state = original
 
 
 def test_the_check_says_where_the_data_order_diverged():
@@ -322,25 +323,26 @@ def test_checkpoints_leave_no_folders_behind(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- section 3: what a restarted run resumes from
 
-COMPLETE = ("(match := ft.CHECKPOINT_FOLDER.match(name))\n"
-            "                and os.path.exists(ft.metadata_path(os.path.join(root, name)))]")
-LATEST = "    return ft.checkpoint_folder(root, max(complete)) if complete else None\n"
+COMPLETE = ("(match := checkpoint.CHECKPOINT_FOLDER.match(name))\n"
+            "                and os.path.exists(checkpoint.metadata_path(os.path.join(root, name)))]")
+LATEST = "    return checkpoint.checkpoint_folder(root, max(complete)) if complete else None\n"
 LATEST_CHECKPOINT = [
     # a save the run died in counted as a checkpoint
-    ({COMPLETE: "(match := ft.CHECKPOINT_FOLDER.match(name))]"}, "whose saving did not finish"),
+    ({COMPLETE: "(match := checkpoint.CHECKPOINT_FOLDER.match(name))]"}, "whose saving did not finish"),
     # any file named metadata* counts, metadata.json.tmp too
-    ({"os.path.exists(ft.metadata_path(os.path.join(root, name)))":
+    ({"os.path.exists(checkpoint.metadata_path(os.path.join(root, name)))":
       "any(f.startswith('metadata') for f in os.listdir(os.path.join(root, name)))"},
      "step_10 with only metadata.json.tmp.*whose saving did not finish"),
     # the latest by name, as strings
     ({LATEST: "    return os.path.join(root, max(f'step_{k}' for k in complete)) if complete else None\n"},
      "compare the step counts as numbers, not the names"),
     # the oldest
-    ({LATEST: "    return ft.checkpoint_folder(root, min(complete)) if complete else None\n"}, "the oldest"),
+    ({LATEST: "    return checkpoint.checkpoint_folder(root, min(complete)) if complete else None\n"}, "the oldest"),
     # the first attempt: no folder yet
     ({"    if not os.path.isdir(root):\n        return None\n": ""}, "no checkpoint folder yet: return None"),
     # nothing complete: max() of nothing
-    ({LATEST: "    return ft.checkpoint_folder(root, max(complete))\n"}, "with no complete checkpoint, return None"),
+    ({LATEST: "    return checkpoint.checkpoint_folder(root, max(complete))\n"},
+     "with no complete checkpoint, return None"),
     # the step count, not the folder
     ({LATEST: "    return max(complete) if complete else None\n"}, "return the checkpoint's folder"),
 ]
@@ -354,12 +356,12 @@ def test_wrong_latest_checkpoint_fails(replace, match):
 
 def test_faults_and_torchrun_sizes_fail_before_anything_starts():
     with pytest.raises(ValueError, match="'dies' or 'hangs'"):
-        ft.Fault(1, 3, "explodes")
-    student = ft.Student(None)
+        elastic.Fault(1, 3, "explodes")
+    student = sharded_run.Student(None)
     with pytest.raises(ValueError, match="not divisible by world size 5"):
-        ft.run_torchrun(SIZES, student, 5, 2)
+        elastic.run_torchrun(SIZES, student, 5, 2)
     with pytest.raises(ValueError, match="save_every"):
-        ft.run_torchrun(SIZES, student, 2, 0)
+        elastic.run_torchrun(SIZES, student, 2, 0)
 
 
 AGENT_LOG = """\
@@ -379,7 +381,7 @@ finished. Waiting 300 seconds for other agents to finish.
 
 
 def test_agent_lines_keep_what_does_not_change_run_to_run():
-    lines = ft.agent_lines(AGENT_LOG)
+    lines = elastic.agent_lines(AGENT_LOG)
     assert [line for _, line in lines] == [
         "[default] Rendezvous'ing worker group", "[default] Starting worker group",
         "Sending process <pid> closing signal SIGTERM", "failed (exitcode: 1) local_rank: 1",
@@ -395,7 +397,7 @@ def test_describe_attempts():
     events += [{"attempt": 1, "rank": r, "event": "loaded", "checkpoint": "step_2", "step": 2, "time": 4.0}
                for r in (0, 1)]
     events += [{"attempt": 1, "rank": r, "event": "finished", "step": 6, "time": 5.0} for r in (0, 1)]
-    assert ft.describe_attempts(events, 2) == [
+    assert elastic.describe_attempts(events, 2) == [
         "attempt 0: started from step 0; saved step_2; rank 1 dies in step 3",
         "attempt 1: every rank loaded step_2; every rank finished step 6"]
 
@@ -411,15 +413,15 @@ def test_torchrun_restart_ends_with_the_uninterrupted_weights_and_leaves_nothing
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     sol = solution(NOTEBOOK)
-    student = ft.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint, sol.latest_checkpoint)
+    student = sharded_run.Student(sol.ShardedSampler, sol.save_checkpoint, sol.load_checkpoint, sol.latest_checkpoint)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    run = ft.run_torchrun(SIZES, student, 2, 2, faults=[ft.Fault(1, 3)])
+    run = elastic.run_torchrun(SIZES, student, 2, 2, faults=[elastic.Fault(1, 3)])
     assert run.returncode == 0, run.log
-    assert ft.describe_attempts(run.events, 2)[1] == "attempt 1: every rank loaded step_2; saved step_4; every rank " \
-                                                     "finished step 6"
-    want = spawn(ft.train_main, 2, SIZES, student)[0].weights
+    assert elastic.describe_attempts(run.events, 2)[1] == "attempt 1: every rank loaded step_2; saved step_4; " \
+                                                          "every rank finished step 6"
+    want = spawn(sharded_run.train_main, 2, SIZES, student)[0].weights
     assert all(torch.equal(a, b) for a, b in zip(run.weights, want))
-    assert set(ft.restart_seconds(run)) == {"detect", "restart", "start", "load"}
+    assert set(elastic.restart_seconds(run)) == {"detect", "restart", "start", "load"}
     assert os.listdir(tmp_path) == []
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 

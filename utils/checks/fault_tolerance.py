@@ -23,8 +23,7 @@ import time
 import torch
 from torch.utils.data import DistributedSampler
 
-from utils import fault_tolerance as ft
-from utils import fsdp, pytorch_reference
+from utils import checkpoint, fsdp, pytorch_reference, rpc_controller, sharded_run
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.sizes import check_int
@@ -186,7 +185,7 @@ def _saved_in_order(save_checkpoint):
     LATE, rank 0 writes the metadata LATE; the metadata must find every shard written and come from rank 0 only,
     and no rank may return before it exists (a restart would find the checkpoint half done)."""
     def save(directory, state, shapes, rank, world_size):
-        write_metadata, save_file = ft.write_metadata, torch.save
+        write_metadata, save_file = checkpoint.write_metadata, torch.save
 
         def late_save_file(*args, **kwargs):
             time.sleep(LATE)
@@ -196,7 +195,7 @@ def _saved_in_order(save_checkpoint):
             if rank != 0:
                 raise AssertionError(f"rank {rank} wrote the metadata: only rank 0 writes it (every rank writing "
                                      f"the same file at once can leave it half written)")
-            missing = [r for r in range(world_size) if not os.path.exists(ft.shard_path(folder, r))]
+            missing = [r for r in range(world_size) if not os.path.exists(checkpoint.shard_path(folder, r))]
             if missing:
                 raise AssertionError(f"rank 0 wrote the metadata before rank {missing[0]}'s shard file existed: the "
                                      f"metadata is the checkpoint's last file; wait for every rank's file (learning "
@@ -204,37 +203,37 @@ def _saved_in_order(save_checkpoint):
             time.sleep(LATE)
             write_metadata(folder, metadata)
 
-        torch.save, ft.write_metadata = (late_save_file if rank else save_file), checked_write_metadata
+        torch.save, checkpoint.write_metadata = (late_save_file if rank else save_file), checked_write_metadata
         try:
             save_checkpoint(directory, state, shapes, rank, world_size)
         finally:
-            torch.save, ft.write_metadata = save_file, write_metadata
-        if not os.path.exists(ft.metadata_path(directory)):
+            torch.save, checkpoint.write_metadata = save_file, write_metadata
+        if not os.path.exists(checkpoint.metadata_path(directory)):
             raise AssertionError(f"save_checkpoint returned on rank {rank} before rank 0 had written the metadata: "
                                  f"return only once the checkpoint is complete (every rank waits for rank 0)")
     return save
 
 
 def _read_what_overlaps(load_checkpoint):
-    """load_checkpoint, checking that each rank reads (ft.read_shard) each old shard that overlaps its new range
+    """load_checkpoint, checking that each rank reads (checkpoint.read_shard) each old shard that overlaps its new range
     once (and its own old file, for its RNG state), and no other: on N ranks each reads about 1/N of the
     checkpoint, not all of it."""
     def load(directory, shapes, rank, world_size):
-        read_shard, reads = ft.read_shard, []
+        read_shard, reads = checkpoint.read_shard, []
 
         def counted(folder, old_rank, metadata):
             reads.append(old_rank)
             return read_shard(folder, old_rank, metadata)
 
-        ft.read_shard = counted
+        checkpoint.read_shard = counted
         try:
             state = load_checkpoint(directory, shapes, rank, world_size)
         finally:
-            ft.read_shard = read_shard
+            checkpoint.read_shard = read_shard
         if any(state.sharded.get(name) is None or state.sharded[name].numel() != fsdp.shard_numel(
                 torch.Size(shape).numel(), world_size) for name, shape in shapes.items()):
             return state  # not resharded: the check says so, from the values
-        saved_on = ft.read_metadata(directory, shapes)["world_size"]
+        saved_on = checkpoint.read_metadata(directory, shapes)["world_size"]
         needed = {old for shape in shapes.values() for old in _overlapping(torch.Size(shape).numel(), saved_on,
                                                                          rank, world_size)}
         needed |= {rank} if rank < saved_on else set()  # its own old file holds its RNG state
@@ -263,7 +262,7 @@ def _spawn(fn, world_size, what, *args, **kwargs):
 
 def _folder_digest(directory):
     digest = hashlib.sha256()
-    for name, _ in ft.file_bytes(directory).items():
+    for name, _ in checkpoint.file_bytes(directory).items():
         with open(os.path.join(directory, name), "rb") as f:
             digest.update(name.encode() + f.read())
     return digest.hexdigest()
@@ -271,12 +270,12 @@ def _folder_digest(directory):
 
 def _verify_files(directory, sizes, world_size):
     """One shard file per rank holding only that rank's shards, and the metadata."""
-    files = set(ft.file_bytes(directory))
-    want = {f"shard_{r}.pt" for r in range(world_size)} | {ft.METADATA}
+    files = set(checkpoint.file_bytes(directory))
+    want = {f"shard_{r}.pt" for r in range(world_size)} | {checkpoint.METADATA}
     if files != want:
         raise AssertionError(f"save_checkpoint on {world_size} ranks wrote {sorted(files)}; expected "
-                             f"{sorted(want)}: one file per rank (ft.shard_path) and rank 0's metadata")
-    with open(ft.metadata_path(directory)) as f:
+                             f"{sorted(want)}: one file per rank (checkpoint.shard_path) and rank 0's metadata")
+    with open(checkpoint.metadata_path(directory)) as f:
         dtypes = json.load(f).get("dtypes")
     if not isinstance(dtypes, dict) or set(dtypes) != set(sizes.shapes()):
         raise AssertionError(f"the metadata's 'dtypes' is {str(dtypes)[:60]}; it must give every tensor's dtype, "
@@ -284,7 +283,7 @@ def _verify_files(directory, sizes, world_size):
                              f"of a tensor reads no file for it, and makes its shard in that dtype")
     for rank in range(world_size):
         try:
-            saved = torch.load(ft.shard_path(directory, rank), weights_only=True)
+            saved = torch.load(checkpoint.shard_path(directory, rank), weights_only=True)
         except pickle.UnpicklingError as e:
             refused = str(e).split("Unsupported global: GLOBAL ")[-1].split(" ")[0]
             raise AssertionError(f"shard_{rank}.pt cannot be loaded with torch.load(weights_only=True), the safe way "
@@ -305,9 +304,9 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
     size, the step, the sampler's position, each saved rank's RNG state."""
     where = f"saved on {saved_on} ranks, loaded on {loaded_on}"
     for rank, state in enumerate(loaded):
-        if not isinstance(state, ft.TrainState):
+        if not isinstance(state, sharded_run.TrainState):
             raise AssertionError(f"{where}: load_checkpoint returned {type(state).__name__} on rank {rank}: return "
-                                 f"an ft.TrainState")
+                                 f"a sharded_run.TrainState")
         for name, shape in sizes.shapes().items():
             want_numel = fsdp.shard_numel(torch.Size(shape).numel(), loaded_on)
             got = state.sharded.get(name)
@@ -324,12 +323,12 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                                  f"{saved[0].sampler} was saved")
         if rank < saved_on and not torch.equal(state.rng, saved[rank].rng):
             raise AssertionError(f"{where}: rank {rank} did not get its own RNG state back (saved by rank {rank})")
-        fresh = ft.fresh_rng_state(saved[0].sampler["seed"], saved[0].step, rank)
+        fresh = sharded_run.fresh_rng_state(saved[0].sampler["seed"], saved[0].step, rank)
         if rank >= saved_on and not torch.equal(state.rng, fresh):
             raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved, did not "
-                                 f"get ft.fresh_rng_state(seed, step, rank) (another rank's saved state would give "
-                                 f"it that rank's random numbers)")
-    got, want = ft.full_state(loaded, sizes), ft.full_state(saved, sizes)
+                                 f"get sharded_run.fresh_rng_state(seed, step, rank) (another rank's saved state "
+                                 f"would give it that rank's random numbers)")
+    got, want = sharded_run.full_state(loaded, sizes), sharded_run.full_state(saved, sizes)
     for name in sizes.shapes():
         if not torch.equal(got[name], want[name]):
             diff = max_abs_diff(got[name], want[name])
@@ -360,7 +359,7 @@ def _verify_against_dcp(loaded_full, saved_full, step, sizes, saved_on, world_si
     """torch.distributed.checkpoint saves the same state on the same ranks, loads it on each world size: the
     same tensors as ours, bit for bit."""
     names = [n for n in sizes.shapes() if not n.startswith("exp_avg")]
-    with ft.temporary_checkpoint_folder() as directory:
+    with checkpoint.temporary_checkpoint_folder() as directory:
         _spawn(_dcp_main, saved_on, "torch.distributed.checkpoint's save", sizes, directory,
                _as_dcp_state(saved_full, step, names), saved_on)
         for n in world_sizes:
@@ -390,7 +389,7 @@ def _verify_resumed(resumed, uninterrupted, sizes, stop_after, saved_on, n):
             raise AssertionError(f"{where}: step {step} trained on rows {got_rows[step]}; the uninterrupted run on "
                                  f"{want_rows[step]}: the resumed run must continue the data order where the stopped "
                                  f"one was (save and load the sampler's position)")
-    tolerance = 0.0 if n == saved_on else ft.resume_tolerance(sizes)
+    tolerance = 0.0 if n == saved_on else sharded_run.resume_tolerance(sizes)
     worst = 0.0
     for i, (got, want) in enumerate(zip(resumed[0].weights, uninterrupted[0].weights)):
         diff = max_abs_diff(got, want)
@@ -404,31 +403,32 @@ def _verify_resumed(resumed, uninterrupted, sizes, stop_after, saved_on, n):
 
 def _verify_bad_input(student, directory, sizes):
     """Broken copies of the checkpoint: a clear error naming the file, and the checkpoint unchanged."""
-    other = ft.RunSizes(sizes.hidden_dim + 1, sizes.num_layers, sizes.dataset_size, sizes.global_batch_size,
+    other = sharded_run.RunSizes(sizes.hidden_dim + 1, sizes.num_layers, sizes.dataset_size, sizes.global_batch_size,
                         sizes.num_steps, sizes.seed)
-    cases = [("corrupted metadata", lambda d: open(ft.metadata_path(d), "w").write("{\"world_size\": "),
-              sizes, ft.METADATA, "corrupted"),
-             ("metadata without shapes", lambda d: _drop_key(d, "shapes"), sizes, ft.METADATA, "corrupted"),
-             ("a missing shard", lambda d: os.remove(ft.shard_path(d, 1)), sizes, "shard_1.pt", "missing"),
-             ("a truncated shard", lambda d: _truncate(ft.shard_path(d, 0)), sizes, "shard_0.pt", "truncated"),
-             ("another model", None, other, ft.METADATA, "another model")]
+    cases = [("corrupted metadata", lambda d: open(checkpoint.metadata_path(d), "w").write("{\"world_size\": "),
+              sizes, checkpoint.METADATA, "corrupted"),
+             ("metadata without shapes", lambda d: _drop_key(d, "shapes"), sizes, checkpoint.METADATA, "corrupted"),
+             ("a missing shard", lambda d: os.remove(checkpoint.shard_path(d, 1)), sizes, "shard_1.pt", "missing"),
+             ("a truncated shard", lambda d: _truncate(checkpoint.shard_path(d, 0)), sizes, "shard_0.pt", "truncated"),
+             ("another model", None, other, checkpoint.METADATA, "another model")]
     for what, breakage, shapes_of, file, words in cases:
         with tempfile.TemporaryDirectory() as broken:
             shutil.copytree(directory, broken, dirs_exist_ok=True)
             if breakage:
                 breakage(broken)
             before = _folder_digest(broken)
-            results = _spawn(ft.load_main, runnable_world_sizes([2])[0], "load_checkpoint", student, broken,
+            results = _spawn(checkpoint.load_main, runnable_world_sizes([2])[0], "load_checkpoint", student, broken,
                              shapes_of.shapes())
             error = next((e for e in results if isinstance(e, Exception)), None)
             if not isinstance(error, Exception):
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} returned without an error: read "
-                                     f"the metadata with ft.read_metadata and the shards with ft.read_shard")
+                                     f"the metadata with checkpoint.read_metadata and the shards with "
+                                     f"checkpoint.read_shard")
             message = str(error)
             if file not in message or words not in message:
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} raised {type(error).__name__}: "
                                      f"{message!r}; the error must name {file} and say '{words}': read the metadata "
-                                     f"with ft.read_metadata and the shards with ft.read_shard")
+                                     f"with checkpoint.read_metadata and the shards with checkpoint.read_shard")
             if _folder_digest(broken) != before:
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} changed the checkpoint's files: "
                                      f"loading must only read")
@@ -436,10 +436,10 @@ def _verify_bad_input(student, directory, sizes):
 
 
 def _drop_key(directory, key):
-    with open(ft.metadata_path(directory)) as f:
+    with open(checkpoint.metadata_path(directory)) as f:
         metadata = json.load(f)
     del metadata[key]
-    with open(ft.metadata_path(directory), "w") as f:
+    with open(checkpoint.metadata_path(directory), "w") as f:
         json.dump(metadata, f)
 
 
@@ -460,7 +460,7 @@ def any_tensors():
 
 def _save_any_main(rank, world_size, save_checkpoint, directory):
     tensors = any_tensors()
-    state = ft.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, 3,
+    state = sharded_run.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, 3,
                           {"seed": 0, "step": 3}, torch.get_rng_state())
     save_checkpoint(directory, state, {name: tuple(t.shape) for name, t in tensors.items()}, rank, world_size)
 
@@ -474,7 +474,7 @@ def verify_any_tensors(student, saved_on, loaded_on):
     """any_tensors() saved on each of `saved_on` world sizes, loaded on each of `loaded_on`: every tensor comes
     back bit for bit, every rank's shard in the tensor's own dtype (ranks holding only padding too)."""
     tensors = any_tensors()
-    with ft.temporary_checkpoint_folder() as root:
+    with checkpoint.temporary_checkpoint_folder() as root:
         folders = [os.path.join(root, str(n)) for n in saved_on]
         for n, folder in zip(saved_on, folders):
             os.makedirs(folder, exist_ok=True)
@@ -509,23 +509,25 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
     stop_after = check_int("stop_after", stop_after)
     if stop_after >= sizes.num_steps:
         raise ValueError(f"stop_after must be below num_steps={sizes.num_steps}, got {stop_after}")
-    ft.check_run_sizes(sizes, world_size)
-    student = ft.Student(Sampler, save_checkpoint, load_checkpoint)
-    checked = ft.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
+    sharded_run.check_run_sizes(sizes, world_size)
+    student = sharded_run.Student(Sampler, save_checkpoint, load_checkpoint)
+    checked = sharded_run.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
     world_sizes = _other_world_sizes(world_size)
-    uninterrupted = _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
-    with ft.temporary_checkpoint_folder() as directory:
-        stopped = _spawn(ft.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
+    uninterrupted = _spawn(sharded_run.train_main, world_size, "the uninterrupted run", sizes, student)
+    with checkpoint.temporary_checkpoint_folder() as directory:
+        stopped = _spawn(sharded_run.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
                          directory=directory)
         _verify_files(directory, sizes, world_size)
         saved = [t.saved for t in stopped]
         loaded_full, worst = {}, {}
         for n in world_sizes:
-            ft.check_run_sizes(sizes, n)
-            resumed = _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory, resume=True)
+            sharded_run.check_run_sizes(sizes, n)
+            resumed = _spawn(sharded_run.train_main, n, "load_checkpoint", sizes, checked, directory=directory,
+                             resume=True)
             loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed], sizes, world_size, n)
             worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
-        _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
+        _verify_against_dcp(loaded_full, sharded_run.full_state(saved, sizes), saved[0].step, sizes, world_size,
+                            world_sizes)
         broken = _verify_bad_input(student, directory, sizes)
     any_sizes = runnable_world_sizes([1, 2, 3, 4])
     verify_any_tensors(student, [world_size], any_sizes)
@@ -536,8 +538,8 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           f"each saved rank's RNG state are what was saved, bit for bit, and what torch.distributed.checkpoint "
           f"(FSDP2, dcp.save / dcp.load) loads from the same state. Resumed, the run ends with the uninterrupted "
           f"run's weights: exactly on {world_size} ranks"
-          + "".join(f"; on {n} ranks within {ft.resume_tolerance(sizes):g} (max difference "
-                    f"{ft.shown_difference(worst[n])})" for n in others)
+          + "".join(f"; on {n} ranks within {sharded_run.resume_tolerance(sizes):g} (max difference "
+                    f"{sharded_run.shown_difference(worst[n])})" for n in others)
           + f". Tensors of other dtypes and sizes (int64 beyond 2**53, float32, bfloat16, one with no elements; "
           f"fewer elements than ranks) saved on {world_size} ranks come back bit for bit, each in its own dtype, on "
           f"{', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them. Broken copies "
@@ -551,14 +553,14 @@ def _make_checkpoints(root, complete=(), incomplete=(), half_written=(), other=(
     metadata: the run died while saving), half-written metadata (metadata.json.tmp only), and other files."""
     os.makedirs(root, exist_ok=True)
     for step in (*complete, *incomplete, *half_written):
-        folder = ft.checkpoint_folder(root, step)
+        folder = checkpoint.checkpoint_folder(root, step)
         os.makedirs(folder)
         for rank in range(2):
-            open(ft.shard_path(folder, rank), "wb").close()
+            open(checkpoint.shard_path(folder, rank), "wb").close()
         if step in complete:  # what a save writes (a real one also holds shapes, sampler, shard bytes)
-            ft.write_metadata(folder, {"world_size": 2, "step": step})
+            checkpoint.write_metadata(folder, {"world_size": 2, "step": step})
         if step in half_written:
-            open(ft.metadata_path(folder) + ".tmp", "w").close()
+            open(checkpoint.metadata_path(folder) + ".tmp", "w").close()
     for name in other:
         os.makedirs(os.path.join(root, name))
 
@@ -610,7 +612,7 @@ def check_latest_checkpoint(latest_checkpoint):
             root = os.path.join(parent, "checkpoints")
             if kind is not None:
                 _make_checkpoints(root, **kind)
-            want = None if step is None else ft.checkpoint_folder(root, step)
+            want = None if step is None else checkpoint.checkpoint_folder(root, step)
             try:
                 got = latest_checkpoint(root)
             except Exception as e:
@@ -679,7 +681,7 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
     check_sizes(num_layers, num_stages, batch_size, num_micro_batches)
     sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps)
     try:
-        run = ft.run_controller(train_step, num_stages, num_micro_batches=num_micro_batches, seed=seed,
+        run = rpc_controller.run_controller(train_step, num_stages, num_micro_batches=num_micro_batches, seed=seed,
                                 timeout=CONTROLLER_TIMEOUT, **sizes)
     except RankError as e:
         hints = [hint for words, hint in CONTROLLER_ERROR_HINTS if words in e.summary]
@@ -725,5 +727,5 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
 
     print(f"train_step: correct. {num_stages} stages on their own workers, driven by one controller over RPC "
           f"({num_micro_batches} micro-batches, {num_steps} steps): step 0's gradients and the final weights equal "
-          f"the single-process run's (max difference {ft.shown_difference(worst)}) and PyTorch's SPMD pipeline's, "
-          f"ScheduleGPipe with one process per stage (max difference {ft.shown_difference(spmd)})")
+          f"the single-process run's (max difference {sharded_run.shown_difference(worst)}) and PyTorch's SPMD "
+          f"pipeline's, ScheduleGPipe with one process per stage (max difference {sharded_run.shown_difference(spmd)})")
