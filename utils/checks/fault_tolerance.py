@@ -254,6 +254,12 @@ def _overlapping(numel, saved_on, rank, world_size):
     return [r for r in range(saved_on) if max(start, r * old) < min(stop, (r + 1) * old)]
 
 
+def _any_saved_on(world_size):
+    """The world sizes verify_any_tensors saves on: the run's and 2, so that loading on 3 and 4 ranks gives ranks
+    that did not exist at the save (they get fresh RNG states), whatever the run's world size."""
+    return sorted(set(runnable_world_sizes([world_size, 2])), reverse=True)
+
+
 def _spawn(fn, world_size, what, *args, **kwargs):
     try:
         return spawn(fn, world_size, *args, timeout=CHECK_TIMEOUT, **kwargs)
@@ -316,19 +322,17 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                 raise AssertionError(f"{where}: rank {rank}'s loaded shard of '{name}' has {got_numel} elements; on "
                                      f"{loaded_on} ranks a shard has {want_numel}: reshard (each rank takes its range "
                                      f"of the full flat tensor, from the old shards that hold it)")
+            if got.dtype != saved[0].sharded[name].dtype:
+                raise AssertionError(f"{where}: rank {rank}'s loaded '{name}' is {got.dtype}, the saved one "
+                                     f"{saved[0].sharded[name].dtype}: save and load each tensor in its own dtype (a "
+                                     f"cast on the way loses bits, or invents them)")
         if state.step != saved[0].step:
             raise AssertionError(f"{where}: rank {rank} loaded step {state.step}; {saved[0].step} were saved: "
                                  f"AdamW's bias correction depends on it")
         if state.sampler != saved[0].sampler:
             raise AssertionError(f"{where}: rank {rank} loaded the sampler position {state.sampler}; "
                                  f"{saved[0].sampler} was saved")
-        if rank < saved_on and not torch.equal(state.rng, saved[rank].rng):
-            raise AssertionError(f"{where}: rank {rank} did not get its own RNG state back (saved by rank {rank})")
-        fresh = ft.fresh_rng_state(saved[0].sampler["seed"], saved[0].step, rank)
-        if rank >= saved_on and not torch.equal(state.rng, fresh):
-            raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved, did not "
-                                 f"get ft.fresh_rng_state(seed, step, rank) (another rank's saved state would give "
-                                 f"it that rank's random numbers)")
+        _verify_rng(state.rng, [t.rng for t in saved], saved[0].sampler["seed"], saved[0].step, rank, where)
     got, want = ft.full_state(loaded, sizes), ft.full_state(saved, sizes)
     for name in sizes.shapes():
         if not torch.equal(got[name], want[name]):
@@ -337,6 +341,25 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                                  f"{diff:.3g}: each rank must take elements [r * s', (r + 1) * s') of the full flat "
                                  f"tensor, s' = ceil(numel / {loaded_on}), from the old shards that hold them")
     return got
+
+
+def _verify_rng(got, saved_rngs, seed, step, rank, where):
+    """A saved rank gets its own saved RNG state back; a rank that did not exist at the save gets
+    ft.fresh_rng_state(seed, step, rank), no saved rank's (it would draw that rank's random numbers)."""
+    own = rank < len(saved_rngs)
+    want = saved_rngs[rank] if own else ft.fresh_rng_state(seed, step, rank)
+    if isinstance(got, torch.Tensor) and torch.equal(got, want):
+        return
+    whose = next((r for r, rng in enumerate(saved_rngs) if isinstance(got, torch.Tensor) and torch.equal(got, rng)),
+                 None)
+    got_what = f"rank {whose}'s saved RNG state" if whose is not None else "an RNG state no rank saved"
+    if own:
+        raise AssertionError(f"{where}: rank {rank} got {got_what}, not its own (saved by rank {rank}): a rank that "
+                             f"existed at the save gets its own state back, from its own old file")
+    raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved (on "
+                         f"{len(saved_rngs)} ranks), got {got_what}; it must get ft.fresh_rng_state(seed, step, rank)"
+                         + (f": with rank {whose}'s state it would draw the same random numbers as rank {whose}"
+                            if whose is not None else ""))
 
 
 def _dcp_main(rank, world_size, sizes, directory, full_state, saved_on):
@@ -458,16 +481,25 @@ def any_tensors():
             "empty": torch.zeros(0, 4, dtype=torch.float64)}
 
 
+ANY_STEP = 3
+
+
+def _any_rng(rank):
+    """Rank `rank`'s saved RNG state in verify_any_tensors: its own, so that another rank's is told apart."""
+    return ft.fresh_rng_state(1, 0, rank)
+
+
 def _save_any_main(rank, world_size, save_checkpoint, directory):
     tensors = any_tensors()
-    state = ft.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, 3,
-                          {"seed": 0, "step": 3}, torch.get_rng_state())
+    state = ft.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, ANY_STEP,
+                          {"seed": 0, "step": ANY_STEP}, _any_rng(rank))
     save_checkpoint(directory, state, {name: tuple(t.shape) for name, t in tensors.items()}, rank, world_size)
 
 
 def _load_any_main(rank, world_size, load_checkpoint, directories):
     shapes = {name: tuple(t.shape) for name, t in any_tensors().items()}
-    return [load_checkpoint(directory, shapes, rank, world_size).sharded for directory in directories]
+    return [(state.sharded, state.rng) for state in (load_checkpoint(directory, shapes, rank, world_size)
+                                                     for directory in directories)]
 
 
 def verify_any_tensors(student, saved_on, loaded_on):
@@ -484,7 +516,10 @@ def verify_any_tensors(student, saved_on, loaded_on):
             for i, n in enumerate(saved_on):
                 for name, full in tensors.items():
                     _verify_any_tensor(f"{name}, {full.dtype} of shape {tuple(full.shape)}, saved on {n} ranks, "
-                                       f"loaded on {m}", full, [shards[i][name] for shards in loaded])
+                                       f"loaded on {m}", full, [states[i][0][name] for states in loaded])
+                for rank, states in enumerate(loaded):
+                    _verify_rng(states[i][1], [_any_rng(r) for r in range(n)], 0, ANY_STEP, rank,
+                                f"saved on {n} ranks, loaded on {m}")
 
 
 def _verify_any_tensor(where, full, shards):
@@ -513,22 +548,32 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
     student = ft.Student(Sampler, save_checkpoint, load_checkpoint)
     checked = ft.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
     world_sizes = _other_world_sizes(world_size)
-    uninterrupted = _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
+    any_sizes = runnable_world_sizes([1, 2, 3, 4])
+    # the cheap stages first, each stopping the check at its first mistake: save, load (and resume) on each world
+    # size, broken copies, other tensors and more ranks than saved; then the uninterrupted run and DCP
     with ft.temporary_checkpoint_folder() as directory:
         stopped = _spawn(ft.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
                          directory=directory)
         _verify_files(directory, sizes, world_size)
         saved = [t.saved for t in stopped]
-        loaded_full, worst = {}, {}
+        loaded_full, resumed = {}, {}
         for n in world_sizes:
             ft.check_run_sizes(sizes, n)
-            resumed = _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory, resume=True)
-            loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed], sizes, world_size, n)
-            worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
-        _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
+            try:
+                resumed[n] = _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory,
+                                    resume=True)
+            except AssertionError:  # the resumed run failed: if what was loaded is wrong, say what
+                states = _spawn(ft.load_main, n, "load_checkpoint", checked, directory, sizes.shapes())
+                if not any(isinstance(state, Exception) for state in states):
+                    _verify_loaded(saved, states, sizes, world_size, n)
+                raise
+            loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed[n]], sizes, world_size, n)
         broken = _verify_bad_input(student, directory, sizes)
-    any_sizes = runnable_world_sizes([1, 2, 3, 4])
-    verify_any_tensors(student, [world_size], any_sizes)
+        saved_on = _any_saved_on(world_size)
+        verify_any_tensors(student, saved_on, any_sizes)
+        uninterrupted = _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
+        worst = {n: _verify_resumed(resumed[n], uninterrupted, sizes, stop_after, world_size, n) for n in world_sizes}
+        _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
     others = [n for n in world_sizes if n != world_size]
     print(f"save_checkpoint / load_checkpoint: correct. Saved on {world_size} ranks after {stop_after} of "
           f"{sizes.num_steps} steps (one shard file per rank, each with only its shards), loaded on "
@@ -539,8 +584,11 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           + "".join(f"; on {n} ranks within {ft.resume_tolerance(sizes):g} (max difference "
                     f"{ft.shown_difference(worst[n])})" for n in others)
           + f". Tensors of other dtypes and sizes (int64 beyond 2**53, float32, bfloat16, one with no elements; "
-          f"fewer elements than ranks) saved on {world_size} ranks come back bit for bit, each in its own dtype, on "
-          f"{', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them. Broken copies "
+          f"fewer elements than ranks) saved on {' and '.join(map(str, saved_on))} ranks come back bit for bit, "
+          f"each in its own dtype, on {', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them"
+          + (f"; loaded on more ranks than saved, each new rank gets a fresh RNG state, no saved rank's"
+             if min(saved_on) < max(any_sizes) else "")
+          + f". Broken copies "
           f"({', '.join(broken)}) get an error naming the file, and stay unchanged.")
 
 
