@@ -244,8 +244,8 @@ CHECKPOINT = [
      "saved on 4 ranks, loaded on 4: rank 0's loaded '.*' is torch.float32, the saved one torch.float64"),
     # the old shards looked for among the new world size's ranks: on fewer ranks, the last old shards are never read
     ({"        for old_rank in range(saved_on):\n": "        for old_rank in range(world_size):\n"},
-     "load_checkpoint on rank 2 of 3 read the old shards \\[2\\] \\(saved on 4 ranks\\); it needs \\[2, 3\\] \\(the old "
-     "shards its new range overlaps"),
+     "load_checkpoint on rank 2 of 3 read the old shards \\[2\\] \\(saved on 4 ranks\\); it needs \\[2, 3\\] "
+     "\\(the old shards its new range overlaps"),
     # the shard sizes never gathered: rank 0 does not wait for the others' files (and its metadata says 0 bytes)
     ({"    dist.all_gather_single(shard_bytes, torch.tensor([os.path.getsize(path)]))\n": ""},
      "rank 0 wrote the metadata before rank 1's shard file existed"),

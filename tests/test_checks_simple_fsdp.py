@@ -47,6 +47,22 @@ def test_a_list_all_gather_put_together_is_one_unit():
     assert units["resharded"] == {"forward": 1, "backward": 1}
 
 
+def test_right_answers_written_another_way_pass():
+    """The mean as ReduceOp.AVG, the gradient divided before the reduce-scatter, the parametrization registered as
+    a safe one (its forward gives the whole parameter's shape), the views made with reshape."""
+    other = edited({"        dist.all_reduce(summed)\n        return summed / dist.get_world_size()\n":
+                    "        dist.all_reduce(summed, op=dist.ReduceOp.AVG)\n        return summed\n",
+                    "simple_fsdp.pad_rows(grad, world_size * k).contiguous())":
+                    "simple_fsdp.pad_rows(grad / world_size, world_size * k).contiguous())",
+                    "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size":
+                    "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]",
+                    "parametrization, unsafe=True)": "parametrization)",
+                    "setattr(*self.owner(name), piece.view(shape))":
+                    "setattr(*self.owner(name), piece.reshape(shape))"})
+    check_data_parallel(other.data_parallel, *SIZES)
+    check_units(other.FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)
+
+
 # ---------------------------------------------------------------- bad input, before any rank starts
 
 def test_bad_input_is_a_value_error_naming_it():
@@ -232,6 +248,11 @@ REDISTRIBUTE = [
 ]
 
 DATA_PARALLEL = [
+    # the gradient reduce-scattered without padding: uneven rows on 3 ranks
+    ({"dist.reduce_scatter_single(mine, simple_fsdp.pad_rows(grad, world_size * k).contiguous())":
+      "dist.reduce_scatter_single(mine, grad.contiguous())"},
+     "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces: a collective needs equal pieces, so pad each "
+     "shard to k = ceil\\(rows / N\\) rows"),
     ({"    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size":
       "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]"},
      "mode='fully_shard'.*2 times too large: the sum over ranks, not the mean"),
@@ -257,6 +278,17 @@ DATA_PARALLEL = [
      "the awkward .*keeps its whole parameter as 'gate'"),
     ({"    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size": "    return mine / world_size"},
      "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces"),
+]
+
+# a sum taken in float32: cast back or not, the values keep only float32's precision
+REDISTRIBUTE += [
+    ({SUM_ON: "local.float().contiguous()"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it is torch.float32, "
+     "the local tensor torch.float64: move a tensor in its own dtype"),
+    ({SUM_ON: "local.float().contiguous()", "        dist.all_reduce(summed)\n        return summed\n":
+      "        dist.all_reduce(summed)\n        return summed.double()\n"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it differs by up to .* "
+     "and every value of it is a float32: it was cast to float32 on the way"),
 ]
 
 RESHARD = [

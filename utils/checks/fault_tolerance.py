@@ -586,7 +586,7 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           + f". Tensors of other dtypes and sizes (int64 beyond 2**53, float32, bfloat16, one with no elements; "
           f"fewer elements than ranks) saved on {' and '.join(map(str, saved_on))} ranks come back bit for bit, "
           f"each in its own dtype, on {', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them"
-          + (f"; loaded on more ranks than saved, each new rank gets a fresh RNG state, no saved rank's"
+          + ("; loaded on more ranks than saved, each new rank gets a fresh RNG state, no saved rank's"
              if min(saved_on) < max(any_sizes) else "")
           + f". Broken copies "
           f"({', '.join(broken)}) get an error naming the file, and stay unchanged.")

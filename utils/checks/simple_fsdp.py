@@ -172,6 +172,12 @@ def _diagnose_values(got, want, local, case, world_size):
             return f"it has all {rows} rows: Shard(0) keeps only this rank's rows ({want.shape[0]})"
     if got.shape != want.shape:
         return f"its shape is {tuple(got.shape)}, {tuple(want.shape)} expected"
+    if got.dtype != local.dtype:
+        return f"it is {got.dtype}, the local tensor {local.dtype}: move a tensor in its own dtype (no cast)"
+    if got.dtype == torch.float64 and torch.equal(got, got.float().double()) and not torch.equal(want, want.float()
+                                                                                                  .double()):
+        return (f"it differs by up to {max_abs_diff(got, want):.3g} and every value of it is a float32: it was cast "
+                f"to float32 on the way (move a tensor in its own dtype, {local.dtype})")
     if src.is_partial():
         if max_abs_diff(got, want / world_size) < TOLERANCE:
             return "it is the mean over the ranks: a Partial() value is their sum"
@@ -194,7 +200,8 @@ def check_redistribute(redistribute, world_size, seed=0):
     for n in sizes:
         by_rank = _spawn(redistribute_main, n, redistribute, cases_for(n), seed, what="redistribute",
                          hints={"of shape (): ": SCALAR, "Shard(-": NEGATIVE, "invalid tensor size": UNEVEN,
-                                "IndexError": FEWER_PIECES, "'NoneType' object has no attribute": NO_RESULT})
+                                "* worldSize ==": UNEVEN, "IndexError": FEWER_PIECES,
+                                "'NoneType' object has no attribute": NO_RESULT})
         for rank, (refusals, results) in enumerate(by_rank):
             for case, refusal in zip(REFUSED, refusals):
                 if refusal[0] != "refused":
@@ -228,8 +235,8 @@ def check_redistribute(redistribute, world_size, seed=0):
     issued = "; ".join(f"{simple_fsdp.placement_name(s)} -> {simple_fsdp.placement_name(d)}: {ISSUES[(s, d)]}"
                        for s, d in simple_fsdp.MOVES)
     print(f"redistribute: correct on {' and '.join(map(str, sizes))} ranks, shapes with uneven rows, even rows and "
-          f"fewer rows than ranks; equal to the single-process values and to DTensor's redistribute to {TOLERANCE:g}, "
-          f"with the same collectives and bytes ({issued})")
+          f"fewer rows than ranks; equal to the single-process values to {TOLERANCE:g} and to DTensor's redistribute "
+          f"bit for bit, with the same collectives and bytes ({issued})")
 
 
 # ---------------------------------------------------------------- section 2: data_parallel
@@ -332,7 +339,7 @@ def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
     """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
     by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
                      what="data_parallel" + (" with reshard_after_forward" if reshard else ""),
-                     hints={"invalid tensor size": UNEVEN, "invalid gradient": UNEVEN})
+                     hints={"invalid tensor size": UNEVEN, "* worldSize ==": UNEVEN, "invalid gradient": UNEVEN})
     return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
 
 
