@@ -254,6 +254,17 @@ def _overlapping(numel, saved_on, rank, world_size):
     return [r for r in range(saved_on) if max(start, r * old) < min(stop, (r + 1) * old)]
 
 
+def _resume(checked, directory, sizes, saved, saved_on, n):
+    """The runs resumed on n ranks from the checkpoint; if one fails and what was loaded is wrong, say what."""
+    try:
+        return _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory, resume=True)
+    except AssertionError:
+        states = _spawn(ft.load_main, n, "load_checkpoint", checked, directory, sizes.shapes())
+        if not any(isinstance(state, Exception) for state in states):
+            _verify_loaded(saved, states, sizes, saved_on, n)
+        raise
+
+
 def _any_saved_on(world_size):
     """The world sizes verify_any_tensors saves on: the run's and 2, so that loading on 3 and 4 ranks gives ranks
     that did not exist at the save (they get fresh RNG states), whatever the run's world size."""
@@ -549,30 +560,24 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
     checked = ft.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
     world_sizes = _other_world_sizes(world_size)
     any_sizes = runnable_world_sizes([1, 2, 3, 4])
-    # the cheap stages first, each stopping the check at its first mistake: save, load (and resume) on each world
-    # size, broken copies, other tensors and more ranks than saved; then the uninterrupted run and DCP
+    # each stage stops the check at its first mistake, the cheap and telling ones first: the save; the load (and
+    # resumed run) on the same world size, the uninterrupted run to compare it with; the loads on other world sizes;
+    # broken copies; other tensors, and more ranks than saved; DCP last
     with ft.temporary_checkpoint_folder() as directory:
         stopped = _spawn(ft.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
                          directory=directory)
         _verify_files(directory, sizes, world_size)
         saved = [t.saved for t in stopped]
-        loaded_full, resumed = {}, {}
+        loaded_full, worst, uninterrupted = {}, {}, None
         for n in world_sizes:
             ft.check_run_sizes(sizes, n)
-            try:
-                resumed[n] = _spawn(ft.train_main, n, "load_checkpoint", sizes, checked, directory=directory,
-                                    resume=True)
-            except AssertionError:  # the resumed run failed: if what was loaded is wrong, say what
-                states = _spawn(ft.load_main, n, "load_checkpoint", checked, directory, sizes.shapes())
-                if not any(isinstance(state, Exception) for state in states):
-                    _verify_loaded(saved, states, sizes, world_size, n)
-                raise
-            loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed[n]], sizes, world_size, n)
+            resumed = _resume(checked, directory, sizes, saved, world_size, n)
+            loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed], sizes, world_size, n)
+            uninterrupted = uninterrupted or _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
+            worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
         broken = _verify_bad_input(student, directory, sizes)
         saved_on = _any_saved_on(world_size)
         verify_any_tensors(student, saved_on, any_sizes)
-        uninterrupted = _spawn(ft.train_main, world_size, "the uninterrupted run", sizes, student)
-        worst = {n: _verify_resumed(resumed[n], uninterrupted, sizes, stop_after, world_size, n) for n in world_sizes}
         _verify_against_dcp(loaded_full, ft.full_state(saved, sizes), saved[0].step, sizes, world_size, world_sizes)
     others = [n for n in world_sizes if n != world_size]
     print(f"save_checkpoint / load_checkpoint: correct. Saved on {world_size} ranks after {stop_after} of "

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from utils import pytorch_reference, simple_fsdp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
 from utils.launch import RankError, runnable_world_sizes, spawn
-from utils.model import Sizes
+from utils.model import Sizes, build_mlp
 from utils.sizes import check_int
 
 ISSUES = dict(zip(simple_fsdp.MOVES, ("all-gather", "all-reduce", "reduce-scatter", "nothing")))
@@ -426,6 +426,8 @@ def _verify_units(runs, unit, sizes, where):
     no gathered buffer left after forward and backward."""
     n, units = len(runs), simple_fsdp.num_units(unit, sizes.num_layers)
     reference = [p.reshape(-1) for p in simple_fsdp.train_single("mlp", sizes)[0].values()]
+    initial = torch.cat([p.detach().reshape(-1) for p in build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed,
+                                                                    torch.float64).parameters()])
     per_unit = sizes.num_layers // units * sizes.hidden_dim**2  # elements per unit (the layers split evenly here)
     for rank, run in enumerate(runs):
         shapes = [tuple(t.shape) for t in run.local.values()]
@@ -434,10 +436,16 @@ def _verify_units(runs, unit, sizes, where):
             raise AssertionError(f"{where}: rank {rank} trains tensors of shapes {shapes}; {units} unit(s) means "
                                  f"{units} flat shard(s) of shape {want[0]}, and nothing else (remove the module's "
                                  f"own parameters once they are in the flat shard: delattr)")
+        _verify_initial_shards(run, rank, n, initial, per_unit, where)
         for step, log in enumerate(run.calls):
             gathers = [c for c in log if c.kind == "all-gather"]
             scatters = [c for c in log if c.kind == "reduce-scatter"]
             k = simple_fsdp.shard_rows(per_unit, n) * runs[0].local[next(iter(run.local))].element_size()
+            if len(gathers) == units and not scatters:
+                raise AssertionError(f"{where}: rank {rank}'s step {step} issued no reduce-scatter: Unshard's "
+                                     f"backward never ran, so no gradient reached flat_shard (set each parameter as "
+                                     f"a plain view of its piece of the gathered buffer: an nn.Parameter or a "
+                                     f"detached copy cuts the gradient's way back)")
             if len(gathers) != units or len(scatters) != units or len(log) != 2 * units:
                 said = ", ".join(map(str, log))
                 raise AssertionError(f"{where}: rank {rank}'s step {step} issued {said}; {units} unit(s): one "
@@ -456,8 +464,31 @@ def _verify_units(runs, unit, sizes, where):
     if diff is None or diff > TOLERANCE:
         what = "a different number of elements" if diff is None else f"values off by up to {diff:.3g}"
         raise AssertionError(f"{where}: after {sizes.num_steps} AdamW steps, the flat shards put together hold {what} "
-                             f"against the single-process run's parameters, in order (flatten and concatenate them "
-                             f"in named_parameters order, and split the gathered buffer the same way)")
+                             f"against the single-process run's parameters, in order. Before the first step each "
+                             f"rank held its rows of the parameters flattened in order, and the collectives were "
+                             f"right: look at forward, where each parameter must be set from its own piece of the "
+                             f"gathered buffer (split in the order they were flattened)")
+
+
+def _verify_initial_shards(run, rank, n, initial, per_unit, where):
+    """Before step 0, unit u's flat shard on `rank` is its Shard(0) rows of the unit's parameters flattened in order;
+    if not, whose rows (or what) it holds."""
+    for u, (name, got) in enumerate(run.initial.items()):
+        whole = initial[u * per_unit:(u + 1) * per_unit]
+        want = simple_fsdp.local_shard(whole, rank, n)
+        if got.shape == want.shape and torch.equal(got, want):
+            continue
+        others = [r for r in range(n) if r != rank and torch.equal(got, simple_fsdp.local_shard(whole, r, n))]
+        if others:
+            why = (f"it holds rank {others[0]}'s rows: take this rank's, local_shard(flat, dist.get_rank(), "
+                   f"dist.get_world_size())")
+        elif got.shape == want.shape and torch.equal(torch.sort(got).values, torch.sort(want).values):
+            why = "it holds this rank's values in another order: flatten the parameters in named_parameters order"
+        else:
+            why = f"its shape is {tuple(got.shape)} ({tuple(want.shape)} expected), values off by up to " + (
+                f"{max_abs_diff(got, want):.3g}" if got.shape == want.shape else "-")
+        raise AssertionError(f"{where}: before the first step, rank {rank}'s {name!r} is not its Shard(0) rows of "
+                             f"the unit's parameters flattened and concatenated in order: {why}")
 
 
 def check_units(FlatUnit, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
