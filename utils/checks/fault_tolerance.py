@@ -446,15 +446,17 @@ def _verify_bad_input(student, directory, sizes):
              ("a missing shard", lambda d: os.remove(ft.shard_path(d, 1)), sizes, "shard_1.pt", "missing"),
              ("a truncated shard", lambda d: _truncate(ft.shard_path(d, 0)), sizes, "shard_0.pt", "truncated"),
              ("another model", None, other, ft.METADATA, "another model")]
-    for what, breakage, shapes_of, file, words in cases:
-        with tempfile.TemporaryDirectory() as broken:
-            shutil.copytree(directory, broken, dirs_exist_ok=True)
+    with tempfile.TemporaryDirectory() as root:  # every broken copy loaded in one launch
+        folders = [os.path.join(root, str(i)) for i in range(len(cases))]
+        for folder, (_, breakage, _, _, _) in zip(folders, cases):
+            shutil.copytree(directory, folder)
             if breakage:
-                breakage(broken)
-            before = _folder_digest(broken)
-            results = _spawn(ft.load_main, runnable_world_sizes([2])[0], "load_checkpoint", student, broken,
-                             shapes_of.shapes())
-            error = next((e for e in results if isinstance(e, Exception)), None)
+                breakage(folder)
+        before = [_folder_digest(folder) for folder in folders]
+        results = _spawn(_load_each_main, runnable_world_sizes([2])[0], "load_checkpoint", student.load_checkpoint,
+                         list(zip(folders, [case[2].shapes() for case in cases])))
+        for i, (what, _, _, file, words) in enumerate(cases):
+            error = next((r[i] for r in results if isinstance(r[i], Exception)), None)
             if not isinstance(error, Exception):
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} returned without an error: read "
                                      f"the metadata with ft.read_metadata and the shards with ft.read_shard")
@@ -463,10 +465,21 @@ def _verify_bad_input(student, directory, sizes):
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} raised {type(error).__name__}: "
                                      f"{message!r}; the error must name {file} and say '{words}': read the metadata "
                                      f"with ft.read_metadata and the shards with ft.read_shard")
-            if _folder_digest(broken) != before:
+            if _folder_digest(folders[i]) != before[i]:
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} changed the checkpoint's files: "
                                      f"loading must only read")
     return [case[0] for case in cases]
+
+
+def _load_each_main(rank, world_size, load_checkpoint, folders_and_shapes):
+    """Load each (folder, shapes): the TrainState, or the error (the broken copies)."""
+    results = []
+    for folder, shapes in folders_and_shapes:
+        try:
+            results.append(load_checkpoint(folder, shapes, rank, world_size))
+        except Exception as e:  # noqa: BLE001 - every error is reported, by type and message
+            results.append(e)
+    return results
 
 
 def _drop_key(directory, key):
