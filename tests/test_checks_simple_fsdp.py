@@ -25,7 +25,8 @@ def edited(replace):
 
 # natural right answers written another way: the mean as ReduceOp.AVG, the gradient divided before the
 # reduce-scatter, the parametrization registered as a safe one (its forward gives the whole parameter's shape), the
-# views made with reshape (the solution itself passes in the notebook, under nbval)
+# views made with reshape, the weight gathered again with Unshard (the solution itself passes in the notebook, under
+# nbval)
 OTHER_WAY = edited({"        dist.all_reduce(summed)\n        return summed / dist.get_world_size()\n":
     "        dist.all_reduce(summed, op=dist.ReduceOp.AVG)\n        return summed\n",
     "simple_fsdp.pad_rows(grad, world_size * k).contiguous())":
@@ -34,13 +35,15 @@ OTHER_WAY = edited({"        dist.all_reduce(summed)\n        return summed / di
     "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]",
     "parametrization, unsafe=True)": "parametrization)",
     "setattr(*self.owner(name), piece.view(shape))":
-    "setattr(*self.owner(name), piece.reshape(shape))"})
+    "setattr(*self.owner(name), piece.reshape(shape))",
+    "    return all_gather_rows(shard, rows).as_strided(size, stride, offset)\n":
+    "    return Unshard.apply(shard, rows).as_strided(size, stride, offset)\n"})
 
 
 def test_right_answers_pass(capsys):
     check_redistribute(SOL.redistribute, 2)
     check_data_parallel(OTHER_WAY.data_parallel, *SIZES)
-    units = check_reshard(SOL.data_parallel, SOL.reshard_after_forward, *SIZES)
+    units = check_reshard(OTHER_WAY.data_parallel, OTHER_WAY.reshard_after_forward, *SIZES)
     rows = check_units(OTHER_WAY.FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)
     assert [rows[unit][0] for unit in ("layer", "pair", "model")] == [4, 2, 2]
     out = capsys.readouterr().out
@@ -290,6 +293,10 @@ REDISTRIBUTE += [
 ]
 
 RESHARD = [
+    # every saved tensor packed as a gathered weight's source, the input and activations too
+    ({"    if source is None:\n        return t\n    return source, t.size()": "    return source, t.size()"},
+     "with reshard_after_forward failed on 2 ranks \\(unpack_gathered got \\(None, ...\\): pack_gathered kept a "
+     "source for a tensor that is not a gathered weight"),
     ({"    if source is None:\n        return t\n    return source, t.size(), t.stride(), t.storage_offset()\n":
       "    return t\n"},
      "up to 2 gathered units were alive at once in step 0's forward.*pack it as its shard"),

@@ -40,6 +40,8 @@ UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad eac
 FEWER_PIECES = (" (torch.chunk gives fewer than N pieces when the rows do not fill N chunks of ceil(rows / N): 2 "
                 "rows on 3 ranks give 2 pieces, and rank 2 has none to index; a rank's Shard(0) rows are "
                 "simple_fsdp.local_shard's, empty where it holds none)")
+PACKED_NONE = (" (unpack_gathered got (None, ...): pack_gathered kept a source for a tensor that is not a gathered "
+               "weight, for which simple_fsdp.gathered_from gives None: keep such a tensor as it is)")
 FLAT_UNIT_CRASHES = {
     "invalid tensor size": UNEVEN,
     "cannot assign": " (the module still has its own parameters where forward sets the views: delete them from the "
@@ -339,7 +341,8 @@ def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
     """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
     by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
                      what="data_parallel" + (" with reshard_after_forward" if reshard else ""),
-                     hints={"invalid tensor size": UNEVEN, "* worldSize ==": UNEVEN, "invalid gradient": UNEVEN})
+                     hints={"invalid tensor size": UNEVEN, "* worldSize ==": UNEVEN, "invalid gradient": UNEVEN,
+                            **({"cannot unpack non-iterable NoneType": PACKED_NONE} if reshard else {})})
     return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
 
 
