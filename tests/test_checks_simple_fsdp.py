@@ -281,8 +281,13 @@ DATA_PARALLEL = [
      "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces"),
 ]
 
-# a sum taken in float32: cast back or not, the values keep only float32's precision
+# a sum taken in float32: cast back or not, the values keep only float32's precision; this rank's rows put in place,
+# the others never gathered
 REDISTRIBUTE += [
+    ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n":
+      "        padded.zero_()[rank * k:rank * k + local.shape[0]] = local\n"},
+     "Shard\\(0\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it differs by up to .*, "
+     "first in row 3, which rank 1's Shard\\(0\\) held: every rank's rows must arrive"),
     ({SUM_ON: "local.float().contiguous()"},
      "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it is torch.float32, "
      "the local tensor torch.float64: move a tensor in its own dtype"),

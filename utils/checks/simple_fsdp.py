@@ -185,7 +185,22 @@ def _diagnose_values(got, want, local, case, world_size):
             return "it is the mean over the ranks: a Partial() value is their sum"
         if got.shape == local.shape and max_abs_diff(got, local) < TOLERANCE:
             return "it is this rank's own tensor: it was never summed over the ranks"
-    return f"it differs by up to {max_abs_diff(got, want):.3g}"
+    return f"it differs by up to {max_abs_diff(got, want):.3g}{_first_row(got, want, case, world_size)}"
+
+
+def _first_row(got, want, case, world_size):
+    """Where a local tensor first differs: its row, and for a gathered tensor the rank whose shard held it."""
+    if not got.dim() or not got.numel():
+        return ""
+    wrong = ~((got - want).abs() <= TOLERANCE).reshape(got.shape[0], -1).all(dim=1)  # NaN counts as wrong
+    if not wrong.any():
+        return ""
+    row = int(wrong.nonzero()[0])
+    whose = ""
+    if case.src.is_shard() and case.dst.is_replicate():
+        whose = (f", which rank {row // simple_fsdp.shard_rows(case.shape[0], world_size)}'s Shard(0) held: every "
+                 f"rank's rows must arrive (all-gathered)")
+    return f", first in row {row}{whose}"
 
 
 def _negative(case):
