@@ -23,11 +23,28 @@ def edited(replace):
 
 # ---------------------------------------------------------------- they pass
 
+# natural right answers written another way: the mean as ReduceOp.AVG, the gradient divided before the
+# reduce-scatter, the parametrization registered as a safe one (its forward gives the whole parameter's shape), the
+# views made with reshape, the weight gathered again with Unshard (the solution itself passes in the notebook, under
+# nbval)
+OTHER_WAY = edited({"        dist.all_reduce(summed)\n        return summed / dist.get_world_size()\n":
+    "        dist.all_reduce(summed, op=dist.ReduceOp.AVG)\n        return summed\n",
+    "simple_fsdp.pad_rows(grad, world_size * k).contiguous())":
+    "simple_fsdp.pad_rows(grad / world_size, world_size * k).contiguous())",
+    "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size":
+    "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]",
+    "parametrization, unsafe=True)": "parametrization)",
+    "setattr(*self.owner(name), piece.view(shape))":
+    "setattr(*self.owner(name), piece.reshape(shape))",
+    "    return all_gather_rows(shard, rows).as_strided(size, stride, offset)\n":
+    "    return Unshard.apply(shard, rows).as_strided(size, stride, offset)\n"})
+
+
 def test_right_answers_pass(capsys):
     check_redistribute(SOL.redistribute, 2)
-    check_data_parallel(SOL.data_parallel, *SIZES)
-    units = check_reshard(SOL.data_parallel, SOL.reshard_after_forward, *SIZES)
-    rows = check_units(SOL.FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)
+    check_data_parallel(OTHER_WAY.data_parallel, *SIZES)
+    units = check_reshard(OTHER_WAY.data_parallel, OTHER_WAY.reshard_after_forward, *SIZES)
+    rows = check_units(OTHER_WAY.FlatUnit, 2, HIDDEN_DIM, 2, BATCH_SIZE, NUM_STEPS)
     assert [rows[unit][0] for unit in ("layer", "pair", "model")] == [4, 2, 2]
     out = capsys.readouterr().out
     assert "DTensor's redistribute" in out and "FSDP2" in out and "awkward" in out
@@ -232,6 +249,11 @@ REDISTRIBUTE = [
 ]
 
 DATA_PARALLEL = [
+    # the gradient reduce-scattered without padding: uneven rows on 3 ranks
+    ({"dist.reduce_scatter_single(mine, simple_fsdp.pad_rows(grad, world_size * k).contiguous())":
+      "dist.reduce_scatter_single(mine, grad.contiguous())"},
+     "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces: a collective needs equal pieces, so pad each "
+     "shard to k = ceil\\(rows / N\\) rows"),
     ({"    return mine[:simple_fsdp.local_rows(rows, rank, world_size)] / world_size":
       "    return mine[:simple_fsdp.local_rows(rows, rank, world_size)]"},
      "mode='fully_shard'.*2 times too large: the sum over ranks, not the mean"),
@@ -259,7 +281,27 @@ DATA_PARALLEL = [
      "data_parallel failed on 3 ranks \\(uneven Shard\\(0\\) pieces"),
 ]
 
+# a sum taken in float32: cast back or not, the values keep only float32's precision; this rank's rows put in place,
+# the others never gathered
+REDISTRIBUTE += [
+    ({"        dist.all_gather_single(padded, simple_fsdp.pad_rows(local, k).contiguous())\n":
+      "        padded.zero_()[rank * k:rank * k + local.shape[0]] = local\n"},
+     "Shard\\(0\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it differs by up to .*, "
+     "first in row 3, which rank 1's Shard\\(0\\) held: every rank's rows must arrive"),
+    ({SUM_ON: "local.float().contiguous()"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it is torch.float32, "
+     "the local tensor torch.float64: move a tensor in its own dtype"),
+    ({SUM_ON: "local.float().contiguous()", "        dist.all_reduce(summed)\n        return summed\n":
+      "        dist.all_reduce(summed)\n        return summed.double()\n"},
+     "Partial\\(\\) -> Replicate\\(\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it differs by up to .* "
+     "and every value of it is a float32: it was cast to float32 on the way"),
+]
+
 RESHARD = [
+    # every saved tensor packed as a gathered weight's source, the input and activations too
+    ({"    if source is None:\n        return t\n    return source, t.size()": "    return source, t.size()"},
+     "with reshard_after_forward failed on 2 ranks \\(unpack_gathered got \\(None, ...\\): pack_gathered kept a "
+     "source for a tensor that is not a gathered weight"),
     ({"    if source is None:\n        return t\n    return source, t.size(), t.stride(), t.storage_offset()\n":
       "    return t\n"},
      "up to 2 gathered units were alive at once in step 0's forward.*pack it as its shard"),
@@ -305,10 +347,18 @@ UNITS = [
      "FlatUnit failed on 2 ranks \\(.*flat_shard must be this rank's shard.*invalid gradient"),
     ({"zip(self.names, self.shapes, flat.split(self.numels))":
       "zip(self.names[::-1], self.shapes, flat.split(self.numels))"},
-     "the flat shards put together hold values off by"),
+     "the flat shards put together hold values off by .* Before the first step each rank held its rows .* look at "
+     "forward, where each parameter must be set from its own piece of the gathered buffer"),
     ({"        flat = Unshard.apply(self.flat_shard, sum(self.numels))":
       "        flat = Unshard.apply(self.flat_shard.detach(), sum(self.numels))"},
      "FlatUnit failed on 2 ranks \\(all-gather self.flat_shard itself, not a detached copy.*does not require grad"),
+    # each piece set on the module as a new nn.Parameter: no gradient reaches the gathered buffer
+    ({"setattr(*self.owner(name), piece.view(shape))": "setattr(*self.owner(name), nn.Parameter(piece.view(shape)))"},
+     "step 0 issued no reduce-scatter: Unshard's backward never ran, so no gradient reached flat_shard"),
+    # every rank keeps rank 0's rows of the flat buffer
+    ({"simple_fsdp.local_shard(flat, dist.get_rank(), dist.get_world_size())":
+      "simple_fsdp.local_shard(flat, 0, dist.get_world_size())"},
+     "before the first step, rank 1's '.*flat_shard' is not its Shard\\(0\\) rows .*: it holds rank 0's rows"),
 ]
 
 

@@ -283,6 +283,7 @@ class Run:
     calls: list  # by step: the Collective issued
     units_by_phase: dict  # {(step, phase): the most gathered buffers alive at once}
     peak: dict  # {group: bytes} at the highest total over the run (utils.memory.MemoryTracker)
+    initial: dict = dataclasses.field(default_factory=dict)  # {parameter name: what this rank held before step 0}
 
 
 def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None, dtype=torch.float64, track=True):
@@ -383,6 +384,7 @@ def units_main(rank, world_size, FlatUnit, unit, sizes, dtype=torch.float64):
     """Train the MLP with the notebook's FlatUnit as `unit` units for sizes.num_steps AdamW steps, under the
     memory tracker: a Run whose `local` is {parameter name: this rank's flat shard}."""
     net = wrap_units(build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, dtype), FlatUnit, unit)
+    initial = {name: p.detach().clone() for name, p in net.named_parameters()}
     optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
     now = {"step": 0, "phase": "forward"}
     tracker = SettledMemoryTracker(lambda: list(net.parameters()), optimizer, phase=lambda: (now["step"], now["phase"]))
@@ -402,7 +404,7 @@ def units_main(rank, world_size, FlatUnit, unit, sizes, dtype=torch.float64):
             losses.append(loss.item())
             calls.append(log)
     local = {name: p.detach().clone() for name, p in net.named_parameters()}
-    return Run(local, {}, losses, calls, tracker.units_by_phase, tracker.peak)
+    return Run(local, {}, losses, calls, tracker.units_by_phase, tracker.peak, initial)
 
 
 # ---------------------------------------------------------------- the compiler sees the collectives

@@ -253,6 +253,23 @@ def _overlapping(numel, saved_on, rank, world_size):
     return [r for r in range(saved_on) if max(start, r * old) < min(stop, (r + 1) * old)]
 
 
+def _resume(checked, directory, sizes, saved, saved_on, n):
+    """The runs resumed on n ranks from the checkpoint; if one fails and what was loaded is wrong, say what."""
+    try:
+        return _spawn(sharded_run.train_main, n, "load_checkpoint", sizes, checked, directory=directory, resume=True)
+    except AssertionError:
+        states = _spawn(checkpoint.load_main, n, "load_checkpoint", checked, directory, sizes.shapes())
+        if not any(isinstance(state, Exception) for state in states):
+            _verify_loaded(saved, states, sizes, saved_on, n)
+        raise
+
+
+def _any_saved_on(world_size):
+    """The world sizes verify_any_tensors saves on: the run's and 2, so that loading on 3 and 4 ranks gives ranks
+    that did not exist at the save (they get fresh RNG states), whatever the run's world size."""
+    return sorted(set(runnable_world_sizes([world_size, 2])), reverse=True)
+
+
 def _spawn(fn, world_size, what, *args, **kwargs):
     try:
         return spawn(fn, world_size, *args, timeout=CHECK_TIMEOUT, **kwargs)
@@ -306,7 +323,7 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
     for rank, state in enumerate(loaded):
         if not isinstance(state, sharded_run.TrainState):
             raise AssertionError(f"{where}: load_checkpoint returned {type(state).__name__} on rank {rank}: return "
-                                 f"a sharded_run.TrainState")
+                                 f"an sharded_run.TrainState")
         for name, shape in sizes.shapes().items():
             want_numel = fsdp.shard_numel(torch.Size(shape).numel(), loaded_on)
             got = state.sharded.get(name)
@@ -315,19 +332,17 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                 raise AssertionError(f"{where}: rank {rank}'s loaded shard of '{name}' has {got_numel} elements; on "
                                      f"{loaded_on} ranks a shard has {want_numel}: reshard (each rank takes its range "
                                      f"of the full flat tensor, from the old shards that hold it)")
+            if got.dtype != saved[0].sharded[name].dtype:
+                raise AssertionError(f"{where}: rank {rank}'s loaded '{name}' is {got.dtype}, the saved one "
+                                     f"{saved[0].sharded[name].dtype}: save and load each tensor in its own dtype (a "
+                                     f"cast on the way loses bits, or invents them)")
         if state.step != saved[0].step:
             raise AssertionError(f"{where}: rank {rank} loaded step {state.step}; {saved[0].step} were saved: "
                                  f"AdamW's bias correction depends on it")
         if state.sampler != saved[0].sampler:
             raise AssertionError(f"{where}: rank {rank} loaded the sampler position {state.sampler}; "
                                  f"{saved[0].sampler} was saved")
-        if rank < saved_on and not torch.equal(state.rng, saved[rank].rng):
-            raise AssertionError(f"{where}: rank {rank} did not get its own RNG state back (saved by rank {rank})")
-        fresh = sharded_run.fresh_rng_state(saved[0].sampler["seed"], saved[0].step, rank)
-        if rank >= saved_on and not torch.equal(state.rng, fresh):
-            raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved, did not "
-                                 f"get sharded_run.fresh_rng_state(seed, step, rank) (another rank's saved state "
-                                 f"would give it that rank's random numbers)")
+        _verify_rng(state.rng, [t.rng for t in saved], saved[0].sampler["seed"], saved[0].step, rank, where)
     got, want = sharded_run.full_state(loaded, sizes), sharded_run.full_state(saved, sizes)
     for name in sizes.shapes():
         if not torch.equal(got[name], want[name]):
@@ -336,6 +351,26 @@ def _verify_loaded(saved, loaded, sizes, saved_on, loaded_on):
                                  f"{diff:.3g}: each rank must take elements [r * s', (r + 1) * s') of the full flat "
                                  f"tensor, s' = ceil(numel / {loaded_on}), from the old shards that hold them")
     return got
+
+
+def _verify_rng(got, saved_rngs, seed, step, rank, where):
+    """A saved rank gets its own saved RNG state back; a rank that did not exist at the save gets
+    sharded_run.fresh_rng_state(seed, step, rank), no saved rank's (it would draw that rank's random numbers)."""
+    own = rank < len(saved_rngs)
+    want = saved_rngs[rank] if own else sharded_run.fresh_rng_state(seed, step, rank)
+    if isinstance(got, torch.Tensor) and torch.equal(got, want):
+        return
+    whose = next((r for r, rng in enumerate(saved_rngs) if isinstance(got, torch.Tensor) and torch.equal(got, rng)),
+                 None)
+    got_what = f"rank {whose}'s saved RNG state" if whose is not None else "an RNG state no rank saved"
+    if own:
+        raise AssertionError(f"{where}: rank {rank} got {got_what}, not its own (saved by rank {rank}): a rank that "
+                             f"existed at the save gets its own state back, from its own old file")
+    raise AssertionError(f"{where}: rank {rank}, which did not exist when the checkpoint was saved (on "
+                         f"{len(saved_rngs)} ranks), got {got_what}; it must get "
+                         f"sharded_run.fresh_rng_state(seed, step, rank)"
+                         + (f": with rank {whose}'s state it would draw the same random numbers as rank {whose}"
+                            if whose is not None else ""))
 
 
 def _dcp_main(rank, world_size, sizes, directory, full_state, saved_on):
@@ -411,15 +446,17 @@ def _verify_bad_input(student, directory, sizes):
              ("a missing shard", lambda d: os.remove(checkpoint.shard_path(d, 1)), sizes, "shard_1.pt", "missing"),
              ("a truncated shard", lambda d: _truncate(checkpoint.shard_path(d, 0)), sizes, "shard_0.pt", "truncated"),
              ("another model", None, other, checkpoint.METADATA, "another model")]
-    for what, breakage, shapes_of, file, words in cases:
-        with tempfile.TemporaryDirectory() as broken:
-            shutil.copytree(directory, broken, dirs_exist_ok=True)
+    with tempfile.TemporaryDirectory() as root:  # every broken copy loaded in one launch
+        folders = [os.path.join(root, str(i)) for i in range(len(cases))]
+        for folder, (_, breakage, _, _, _) in zip(folders, cases):
+            shutil.copytree(directory, folder)
             if breakage:
-                breakage(broken)
-            before = _folder_digest(broken)
-            results = _spawn(checkpoint.load_main, runnable_world_sizes([2])[0], "load_checkpoint", student, broken,
-                             shapes_of.shapes())
-            error = next((e for e in results if isinstance(e, Exception)), None)
+                breakage(folder)
+        before = [_folder_digest(folder) for folder in folders]
+        results = _spawn(_load_each_main, runnable_world_sizes([2])[0], "load_checkpoint", student.load_checkpoint,
+                         list(zip(folders, [case[2].shapes() for case in cases])))
+        for i, (what, _, _, file, words) in enumerate(cases):
+            error = next((r[i] for r in results if isinstance(r[i], Exception)), None)
             if not isinstance(error, Exception):
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} returned without an error: read "
                                      f"the metadata with checkpoint.read_metadata and the shards with "
@@ -429,10 +466,21 @@ def _verify_bad_input(student, directory, sizes):
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} raised {type(error).__name__}: "
                                      f"{message!r}; the error must name {file} and say '{words}': read the metadata "
                                      f"with checkpoint.read_metadata and the shards with checkpoint.read_shard")
-            if _folder_digest(broken) != before:
+            if _folder_digest(folders[i]) != before[i]:
                 raise AssertionError(f"load_checkpoint of a checkpoint with {what} changed the checkpoint's files: "
                                      f"loading must only read")
     return [case[0] for case in cases]
+
+
+def _load_each_main(rank, world_size, load_checkpoint, folders_and_shapes):
+    """Load each (folder, shapes): the TrainState, or the error (the broken copies)."""
+    results = []
+    for folder, shapes in folders_and_shapes:
+        try:
+            results.append(load_checkpoint(folder, shapes, rank, world_size))
+        except Exception as e:  # noqa: BLE001 - every error is reported, by type and message
+            results.append(e)
+    return results
 
 
 def _drop_key(directory, key):
@@ -458,16 +506,25 @@ def any_tensors():
             "empty": torch.zeros(0, 4, dtype=torch.float64)}
 
 
+ANY_STEP = 3
+
+
+def _any_rng(rank):
+    """Rank `rank`'s saved RNG state in verify_any_tensors: its own, so that another rank's is told apart."""
+    return sharded_run.fresh_rng_state(1, 0, rank)
+
+
 def _save_any_main(rank, world_size, save_checkpoint, directory):
     tensors = any_tensors()
-    state = sharded_run.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, 3,
-                          {"seed": 0, "step": 3}, torch.get_rng_state())
+    state = sharded_run.TrainState({name: fsdp.shard(t, rank, world_size) for name, t in tensors.items()}, ANY_STEP,
+                          {"seed": 0, "step": ANY_STEP}, _any_rng(rank))
     save_checkpoint(directory, state, {name: tuple(t.shape) for name, t in tensors.items()}, rank, world_size)
 
 
 def _load_any_main(rank, world_size, load_checkpoint, directories):
     shapes = {name: tuple(t.shape) for name, t in any_tensors().items()}
-    return [load_checkpoint(directory, shapes, rank, world_size).sharded for directory in directories]
+    return [(state.sharded, state.rng) for state in (load_checkpoint(directory, shapes, rank, world_size)
+                                                     for directory in directories)]
 
 
 def verify_any_tensors(student, saved_on, loaded_on):
@@ -484,7 +541,10 @@ def verify_any_tensors(student, saved_on, loaded_on):
             for i, n in enumerate(saved_on):
                 for name, full in tensors.items():
                     _verify_any_tensor(f"{name}, {full.dtype} of shape {tuple(full.shape)}, saved on {n} ranks, "
-                                       f"loaded on {m}", full, [shards[i][name] for shards in loaded])
+                                       f"loaded on {m}", full, [states[i][0][name] for states in loaded])
+                for rank, states in enumerate(loaded):
+                    _verify_rng(states[i][1], [_any_rng(r) for r in range(n)], 0, ANY_STEP, rank,
+                                f"saved on {n} ranks, loaded on {m}")
 
 
 def _verify_any_tensor(where, full, shards):
@@ -513,24 +573,28 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
     student = sharded_run.Student(Sampler, save_checkpoint, load_checkpoint)
     checked = sharded_run.Student(Sampler, _saved_in_order(save_checkpoint), _read_what_overlaps(load_checkpoint))
     world_sizes = _other_world_sizes(world_size)
-    uninterrupted = _spawn(sharded_run.train_main, world_size, "the uninterrupted run", sizes, student)
+    any_sizes = runnable_world_sizes([1, 2, 3, 4])
+    # each stage stops the check at its first mistake, the cheap and telling ones first: the save; the load (and
+    # resumed run) on the same world size, the uninterrupted run to compare it with; the loads on other world sizes;
+    # broken copies; other tensors, and more ranks than saved; DCP last
     with checkpoint.temporary_checkpoint_folder() as directory:
         stopped = _spawn(sharded_run.train_main, world_size, "save_checkpoint", sizes, checked, stop_after=stop_after,
                          directory=directory)
         _verify_files(directory, sizes, world_size)
         saved = [t.saved for t in stopped]
-        loaded_full, worst = {}, {}
+        loaded_full, worst, uninterrupted = {}, {}, None
         for n in world_sizes:
             sharded_run.check_run_sizes(sizes, n)
-            resumed = _spawn(sharded_run.train_main, n, "load_checkpoint", sizes, checked, directory=directory,
-                             resume=True)
+            resumed = _resume(checked, directory, sizes, saved, world_size, n)
             loaded_full[n] = _verify_loaded(saved, [t.loaded for t in resumed], sizes, world_size, n)
+            uninterrupted = uninterrupted or _spawn(sharded_run.train_main, world_size, "the uninterrupted run", sizes,
+                                                    student)
             worst[n] = _verify_resumed(resumed, uninterrupted, sizes, stop_after, world_size, n)
+        broken = _verify_bad_input(student, directory, sizes)
+        saved_on = _any_saved_on(world_size)
+        verify_any_tensors(student, saved_on, any_sizes)
         _verify_against_dcp(loaded_full, sharded_run.full_state(saved, sizes), saved[0].step, sizes, world_size,
                             world_sizes)
-        broken = _verify_bad_input(student, directory, sizes)
-    any_sizes = runnable_world_sizes([1, 2, 3, 4])
-    verify_any_tensors(student, [world_size], any_sizes)
     others = [n for n in world_sizes if n != world_size]
     print(f"save_checkpoint / load_checkpoint: correct. Saved on {world_size} ranks after {stop_after} of "
           f"{sizes.num_steps} steps (one shard file per rank, each with only its shards), loaded on "
@@ -541,8 +605,11 @@ def check_checkpoint(save_checkpoint, load_checkpoint, Sampler, world_size, size
           + "".join(f"; on {n} ranks within {sharded_run.resume_tolerance(sizes):g} (max difference "
                     f"{sharded_run.shown_difference(worst[n])})" for n in others)
           + f". Tensors of other dtypes and sizes (int64 beyond 2**53, float32, bfloat16, one with no elements; "
-          f"fewer elements than ranks) saved on {world_size} ranks come back bit for bit, each in its own dtype, on "
-          f"{', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them. Broken copies "
+          f"fewer elements than ranks) saved on {' and '.join(map(str, saved_on))} ranks come back bit for bit, "
+          f"each in its own dtype, on {', '.join(map(str, any_sizes))} ranks, ranks that hold only padding among them"
+          + ("; loaded on more ranks than saved, each new rank gets a fresh RNG state, no saved rank's"
+             if min(saved_on) < max(any_sizes) else "")
+          + f". Broken copies "
           f"({', '.join(broken)}) get an error naming the file, and stay unchanged.")
 
 
@@ -728,4 +795,5 @@ def check_controller(train_step, num_stages, hidden_dim, num_layers, batch_size,
     print(f"train_step: correct. {num_stages} stages on their own workers, driven by one controller over RPC "
           f"({num_micro_batches} micro-batches, {num_steps} steps): step 0's gradients and the final weights equal "
           f"the single-process run's (max difference {sharded_run.shown_difference(worst)}) and PyTorch's SPMD "
-          f"pipeline's, ScheduleGPipe with one process per stage (max difference {sharded_run.shown_difference(spmd)})")
+          f"pipeline's, "
+          f"ScheduleGPipe with one process per stage (max difference {sharded_run.shown_difference(spmd)})")

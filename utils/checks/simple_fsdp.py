@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from utils import pytorch_reference, simple_fsdp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
 from utils.launch import RankError, runnable_world_sizes, spawn
-from utils.model import Sizes
+from utils.model import Sizes, build_mlp
 from utils.sizes import check_int
 
 ISSUES = dict(zip(simple_fsdp.MOVES, ("all-gather", "all-reduce", "reduce-scatter", "nothing")))
@@ -40,6 +40,8 @@ UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad eac
 FEWER_PIECES = (" (torch.chunk gives fewer than N pieces when the rows do not fill N chunks of ceil(rows / N): 2 "
                 "rows on 3 ranks give 2 pieces, and rank 2 has none to index; a rank's Shard(0) rows are "
                 "simple_fsdp.local_shard's, empty where it holds none)")
+PACKED_NONE = (" (unpack_gathered got (None, ...): pack_gathered kept a source for a tensor that is not a gathered "
+               "weight, for which simple_fsdp.gathered_from gives None: keep such a tensor as it is)")
 FLAT_UNIT_CRASHES = {
     "invalid tensor size": UNEVEN,
     "cannot assign": " (the module still has its own parameters where forward sets the views: delete them from the "
@@ -172,12 +174,33 @@ def _diagnose_values(got, want, local, case, world_size):
             return f"it has all {rows} rows: Shard(0) keeps only this rank's rows ({want.shape[0]})"
     if got.shape != want.shape:
         return f"its shape is {tuple(got.shape)}, {tuple(want.shape)} expected"
+    if got.dtype != local.dtype:
+        return f"it is {got.dtype}, the local tensor {local.dtype}: move a tensor in its own dtype (no cast)"
+    if got.dtype == torch.float64 and torch.equal(got, got.float().double()) and not torch.equal(want, want.float()
+                                                                                                  .double()):
+        return (f"it differs by up to {max_abs_diff(got, want):.3g} and every value of it is a float32: it was cast "
+                f"to float32 on the way (move a tensor in its own dtype, {local.dtype})")
     if src.is_partial():
         if max_abs_diff(got, want / world_size) < TOLERANCE:
             return "it is the mean over the ranks: a Partial() value is their sum"
         if got.shape == local.shape and max_abs_diff(got, local) < TOLERANCE:
             return "it is this rank's own tensor: it was never summed over the ranks"
-    return f"it differs by up to {max_abs_diff(got, want):.3g}"
+    return f"it differs by up to {max_abs_diff(got, want):.3g}{_first_row(got, want, case, world_size)}"
+
+
+def _first_row(got, want, case, world_size):
+    """Where a local tensor first differs: its row, and for a gathered tensor the rank whose shard held it."""
+    if not got.dim() or not got.numel():
+        return ""
+    wrong = ~((got - want).abs() <= TOLERANCE).reshape(got.shape[0], -1).all(dim=1)  # NaN counts as wrong
+    if not wrong.any():
+        return ""
+    row = int(wrong.nonzero()[0])
+    whose = ""
+    if case.src.is_shard() and case.dst.is_replicate():
+        whose = (f", which rank {row // simple_fsdp.shard_rows(case.shape[0], world_size)}'s Shard(0) held: every "
+                 f"rank's rows must arrive (all-gathered)")
+    return f", first in row {row}{whose}"
 
 
 def _negative(case):
@@ -194,7 +217,8 @@ def check_redistribute(redistribute, world_size, seed=0):
     for n in sizes:
         by_rank = _spawn(redistribute_main, n, redistribute, cases_for(n), seed, what="redistribute",
                          hints={"of shape (): ": SCALAR, "Shard(-": NEGATIVE, "invalid tensor size": UNEVEN,
-                                "IndexError": FEWER_PIECES, "'NoneType' object has no attribute": NO_RESULT})
+                                "* worldSize ==": UNEVEN, "IndexError": FEWER_PIECES,
+                                "'NoneType' object has no attribute": NO_RESULT})
         for rank, (refusals, results) in enumerate(by_rank):
             for case, refusal in zip(REFUSED, refusals):
                 if refusal[0] != "refused":
@@ -228,8 +252,8 @@ def check_redistribute(redistribute, world_size, seed=0):
     issued = "; ".join(f"{simple_fsdp.placement_name(s)} -> {simple_fsdp.placement_name(d)}: {ISSUES[(s, d)]}"
                        for s, d in simple_fsdp.MOVES)
     print(f"redistribute: correct on {' and '.join(map(str, sizes))} ranks, shapes with uneven rows, even rows and "
-          f"fewer rows than ranks; equal to the single-process values and to DTensor's redistribute to {TOLERANCE:g}, "
-          f"with the same collectives and bytes ({issued})")
+          f"fewer rows than ranks; equal to the single-process values to {TOLERANCE:g} and to DTensor's redistribute "
+          f"bit for bit, with the same collectives and bytes ({issued})")
 
 
 # ---------------------------------------------------------------- section 2: data_parallel
@@ -332,7 +356,8 @@ def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
     """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
     by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
                      what="data_parallel" + (" with reshard_after_forward" if reshard else ""),
-                     hints={"invalid tensor size": UNEVEN, "invalid gradient": UNEVEN})
+                     hints={"invalid tensor size": UNEVEN, "* worldSize ==": UNEVEN, "invalid gradient": UNEVEN,
+                            **({"cannot unpack non-iterable NoneType": PACKED_NONE} if reshard else {})})
     return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
 
 
@@ -419,6 +444,8 @@ def _verify_units(runs, unit, sizes, where):
     no gathered buffer left after forward and backward."""
     n, units = len(runs), simple_fsdp.num_units(unit, sizes.num_layers)
     reference = [p.reshape(-1) for p in simple_fsdp.train_single("mlp", sizes)[0].values()]
+    initial = torch.cat([p.detach().reshape(-1) for p in build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed,
+                                                                    torch.float64).parameters()])
     per_unit = sizes.num_layers // units * sizes.hidden_dim**2  # elements per unit (the layers split evenly here)
     for rank, run in enumerate(runs):
         shapes = [tuple(t.shape) for t in run.local.values()]
@@ -427,10 +454,16 @@ def _verify_units(runs, unit, sizes, where):
             raise AssertionError(f"{where}: rank {rank} trains tensors of shapes {shapes}; {units} unit(s) means "
                                  f"{units} flat shard(s) of shape {want[0]}, and nothing else (remove the module's "
                                  f"own parameters once they are in the flat shard: delattr)")
+        _verify_initial_shards(run, rank, n, initial, per_unit, where)
         for step, log in enumerate(run.calls):
             gathers = [c for c in log if c.kind == "all-gather"]
             scatters = [c for c in log if c.kind == "reduce-scatter"]
             k = simple_fsdp.shard_rows(per_unit, n) * runs[0].local[next(iter(run.local))].element_size()
+            if len(gathers) == units and not scatters:
+                raise AssertionError(f"{where}: rank {rank}'s step {step} issued no reduce-scatter: Unshard's "
+                                     f"backward never ran, so no gradient reached flat_shard (set each parameter as "
+                                     f"a plain view of its piece of the gathered buffer: an nn.Parameter or a "
+                                     f"detached copy cuts the gradient's way back)")
             if len(gathers) != units or len(scatters) != units or len(log) != 2 * units:
                 said = ", ".join(map(str, log))
                 raise AssertionError(f"{where}: rank {rank}'s step {step} issued {said}; {units} unit(s): one "
@@ -449,8 +482,31 @@ def _verify_units(runs, unit, sizes, where):
     if diff is None or diff > TOLERANCE:
         what = "a different number of elements" if diff is None else f"values off by up to {diff:.3g}"
         raise AssertionError(f"{where}: after {sizes.num_steps} AdamW steps, the flat shards put together hold {what} "
-                             f"against the single-process run's parameters, in order (flatten and concatenate them "
-                             f"in named_parameters order, and split the gathered buffer the same way)")
+                             f"against the single-process run's parameters, in order. Before the first step each "
+                             f"rank held its rows of the parameters flattened in order, and the collectives were "
+                             f"right: look at forward, where each parameter must be set from its own piece of the "
+                             f"gathered buffer (split in the order they were flattened)")
+
+
+def _verify_initial_shards(run, rank, n, initial, per_unit, where):
+    """Before step 0, unit u's flat shard on `rank` is its Shard(0) rows of the unit's parameters flattened in order;
+    if not, whose rows (or what) it holds."""
+    for u, (name, got) in enumerate(run.initial.items()):
+        whole = initial[u * per_unit:(u + 1) * per_unit]
+        want = simple_fsdp.local_shard(whole, rank, n)
+        if got.shape == want.shape and torch.equal(got, want):
+            continue
+        others = [r for r in range(n) if r != rank and torch.equal(got, simple_fsdp.local_shard(whole, r, n))]
+        if others:
+            why = (f"it holds rank {others[0]}'s rows: take this rank's, local_shard(flat, dist.get_rank(), "
+                   f"dist.get_world_size())")
+        elif got.shape == want.shape and torch.equal(torch.sort(got).values, torch.sort(want).values):
+            why = "it holds this rank's values in another order: flatten the parameters in named_parameters order"
+        else:
+            why = f"its shape is {tuple(got.shape)} ({tuple(want.shape)} expected), values off by up to " + (
+                f"{max_abs_diff(got, want):.3g}" if got.shape == want.shape else "-")
+        raise AssertionError(f"{where}: before the first step, rank {rank}'s {name!r} is not its Shard(0) rows of "
+                             f"the unit's parameters flattened and concatenated in order: {why}")
 
 
 def check_units(FlatUnit, world_size, hidden_dim, num_layers, batch_size, num_steps, seed=0):
