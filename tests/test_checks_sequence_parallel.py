@@ -15,7 +15,7 @@ def check(module, world_sizes=(2,)):
                             module.all_reduce_norm_grads, world_sizes[0], world_sizes=world_sizes)
 
 
-@pytest.mark.slow  # 3.5 s; the notebook's own run (nbval) checks it on 2, 3, 4 ranks too, and the right answers below on 2
+@pytest.mark.slow  # 3.5 s; the notebook's run (nbval) checks it on 2, 3, 4 ranks too, the right answers below on 2
 def test_the_solution_passes(capsys):
     check(solution(NAME), world_sizes=(2, 3, 4))
     assert "right on 2, 3, 4 ranks" in capsys.readouterr().out
@@ -97,7 +97,8 @@ RIGHT_ANSWERS = {
     dist.reduce_scatter_single(chunk, first)
     return chunk.transpose(0, 1)
 """},
-    "the norms' gradients in one flat all-reduce": {NORMS: """    grads = [block.attention_norm.weight.grad, block.ffn_norm.weight.grad]
+    "the norms' gradients in one flat all-reduce": {NORMS: """    grads = [block.attention_norm.weight.grad,
+             block.ffn_norm.weight.grad]
     flat = torch.cat(grads)
     dist.all_reduce(flat)
     for grad, summed in zip(grads, flat.split([len(g) for g in grads])):

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from utils.sizes import divide
 from utils.tensor_parallel import column_shard, row_shard
 from utils.transformer import Block, initial_value
-from utils.sizes import divide
 
 LAYER = "layers.0."  # the block's weights are the transformer's first layer's
 COLUMN = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w1.weight")

@@ -14,7 +14,7 @@ import re
 import torch
 
 from utils import sequence_parallel as sp
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, seeded_randn
+from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
 from utils.checks.context_parallel import _close, _confirmed
 from utils.counting import record_communication
 from utils.launch import runnable_world_sizes, spawn
@@ -120,6 +120,10 @@ def _shape_in(error):
     return tuple(int(d) for d in found.group(1).split(",")) if found else None
 
 
+def _shape(value):
+    return "None" if value is None else str(tuple(value.shape))
+
+
 def _region_problem(where, got, error, want, mistakes, shape_hints):
     """Why a region's output (or gradient) is not `want`, or None. mistakes: (value, hint); shape_hints: {shape:
     hint} for a gradient whose wrong shape made autograd refuse it."""
@@ -130,9 +134,10 @@ def _region_problem(where, got, error, want, mistakes, shape_hints):
     if got is not None and got.shape != want.shape and tuple(got.shape) in shape_hints:
         return f"{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}: {shape_hints[tuple(got.shape)]}"
     hint = _confirmed(got, [(value, h) for value, h in mistakes if value is not None]) if got is not None else None
-    seen = ("None" if got is None else f"shape {tuple(got.shape)}" if got.shape != want.shape else
-            "values that no known mistake explains")
-    return f"{where}: expected shape {tuple(want.shape)}, got {seen}" + (f": {hint}" if hint else "")
+    if got is None or got.shape != want.shape:
+        return f"{where}: expected shape {tuple(want.shape)}, got {_shape(got)}" + (f": {hint}" if hint else "")
+    return f"{where}: differs from the expected value by up to {max_abs_diff(got, want):.3g}" + (
+        f": {hint}" if hint else " (no usual mistake explains it: is every element written, by a collective?)")
 
 
 def _piece(t, n, dim, rank):
@@ -296,8 +301,9 @@ def check_sequence_parallel(GatherFromSequenceParallelRegion, ReduceScatterToSeq
         if saved["sequence parallel"] * n != saved["tensor parallel"]:
             raise AssertionError(f"on {n} ranks the norms save {saved['sequence parallel']} bytes per rank for "
                                  f"backward, tensor parallel {saved['tensor parallel']}: expected 1/{n} of it")
+    ranks = ", ".join(map(str, sizes_ok))
     print(f"sequence parallel: the gather (all-gather forward, reduce-scatter backward) and the reduce-scatter "
-          f"(reduce-scatter forward, all-gather backward) along the sequence are right on {', '.join(map(str, sizes_ok))}"
-          f" ranks; the block's output and every gradient equal the tensor-parallel block's and one process's "
-          f"(1e-12), with 4 all-gathers, 4 reduce-scatters and the norms' gradients all-reduced per step; the norms "
-          f"save 1/N of tensor parallel's activations per rank")
+          f"(reduce-scatter forward, all-gather backward) along the sequence are right on {ranks} ranks; the block's "
+          f"output and every gradient equal the tensor-parallel block's and one process's (1e-12), with 4 all-gathers, "
+          f"4 reduce-scatters and the norms' gradients all-reduced per step; the norms save 1/N of tensor parallel's "
+          f"activations per rank")
