@@ -10,6 +10,7 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 06  mixed precision    FSDP2 MixedPrecisionPolicy         fully_shard_mlp_mixed_precision
     notebook 07  sharded tensors    DTensor redistribute               dtensor_redistribute
     notebook 08  checkpoints        torch.distributed.checkpoint       fsdp2_with_adamw, dcp_save, dcp_load
+    notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_block
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
 """
@@ -60,6 +61,32 @@ def tensor_parallel_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.
     check_sizes(hidden_dim, world_size, num_layers)
     mesh = init_device_mesh("cpu", (world_size,))
     return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tensor_parallel_plan(num_layers))
+
+
+def sequence_parallel_block(world_size, sizes, seed=0, dtype=torch.float64):
+    """Notebook 09's transformer block with torchtitan's tensor + sequence parallel plan: the norms take this rank's
+    chunk of the sequence (SequenceParallel; their weights' gradients come out Partial(sum), the all-reduce pending),
+    attention and the MLP gather it once (PrepareModuleInput), wo and w2 leave by a reduce-scatter (Shard(1))."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from utils.sequence_parallel import check_sizes, reference_block
+
+    check_sizes(sizes, world_size)
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+    mesh = init_device_mesh("cpu", (world_size,))
+    return parallelize_module(reference_block(sizes, seed, dtype), mesh, plan)
 
 
 def pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,

@@ -301,7 +301,7 @@ def _protocol_problems(results, phase):
         used = sorted({name for name, *_ in log if name in COLLECTIVES})
         if used:
             return (f"rank {rank} calls dist.{used[0]} in the {phase}: ring attention passes blocks to its neighbour "
-                    f"with isend/irecv (the all-gather version is section 6's)")
+                    f"with isend/irecv (the all-gather version is section 7's)")
         unwaited = [name for name, _, _, _, waited in log if waited is None]
         if unwaited:
             return (f"rank {rank}'s {phase}: a {unwaited[0]} was never waited for: its buffer may be read (or reused) "
