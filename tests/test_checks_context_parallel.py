@@ -7,6 +7,7 @@ import torch
 from utils import ring_attention as ra
 from utils.checks.context_parallel import (
     check_blockwise_attention,
+    check_context_parallel_training,
     check_merge,
     check_ring_attention,
     check_ring_attention_backward,
@@ -251,3 +252,32 @@ def test_zigzag_with_the_late_chunk_first_passes():
         "                       torch.arange(r * chunk, (r + 1) * chunk)"))
     check_zigzag(late_first.zigzag_positions, SOLUTION.ring_attention_forward, SOLUTION.ring_attention_backward, 3,
                  world_sizes=())
+
+
+# ---------------------------------------------------------------- training the transformer
+
+FORWARD = "    loss = lm_loss(model(inputs[:, mine], mine), targets[:, mine])\n"
+AVERAGE = "        dist.all_reduce(p.grad)\n        p.grad /= world_size\n"
+TRAIN_MISTAKES = {
+    "local positions": (FORWARD, FORWARD.replace("model(inputs[:, mine], mine)", "model(inputs[:, mine])"),
+                        "RoPE rotated each token by its position within its rank's chunk"),
+    "gradients not averaged": (AVERAGE, "        pass\n", "differs between the ranks"),
+    "summed, not averaged": (AVERAGE, "        dist.all_reduce(p.grad)\n", "times the whole batch's"),
+    "no loss returned": ("    return loss\n    ### END SOLUTION", "    ### END SOLUTION",
+                         "must return this rank's loss"),
+}
+
+
+@pytest.mark.parametrize("mistake", TRAIN_MISTAKES)
+def test_training_mistakes_are_named(mistake):
+    old, new, hint = TRAIN_MISTAKES[mistake]
+    wrong_one = wrong(old, new)
+    with pytest.raises(AssertionError, match=hint):
+        check_context_parallel_training(wrong_one.context_parallel_forward_backward, SOLUTION.RingAttention, 2,
+                                        world_sizes=())
+
+
+def test_training_with_the_mean_taken_before_the_sum_passes():
+    other = wrong(AVERAGE, "        p.grad /= world_size\n        dist.all_reduce(p.grad)\n")
+    check_context_parallel_training(other.context_parallel_forward_backward, SOLUTION.RingAttention, 3,
+                                    world_sizes=())
