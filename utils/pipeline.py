@@ -22,7 +22,7 @@ Past 1F1B (notebook 12): a rank may hold `v` pieces of the model (`build_pieces`
 p*v pieces, rank r holding pieces r, r+p, ...), each a `Stage` of p*v; the schedule then gets them as
 an `nn.ModuleList` and `record_step` records each piece's events (`Event.piece`). A backward may be split
 into B (the input's gradient) and W (the weights'): `record_step(..., split=True)` labels a backward call
-that only reached the input "B" and one that only accumulated the weights' gradients "W". The tables
+that reached the piece's input "B" and one that did not "W". The tables
 `gpipe_order`, `one_f_one_b_order`, `interleaved_order` and `zb_h1_order` say what each rank runs, in
 order; `idle_slots` plays them with unit-time computations: the exact bubble each formula approximates.
 """
@@ -137,20 +137,19 @@ class _Recorder:
     a backward from the gradient reaching the piece's output to the end of that backward call (the
     input's gradient included). What autograd saves for the backward is packed into
     a holder that dies when the backward frees the graph: a micro-batch is alive while it has holders.
-    With `split`, a backward call that accumulated weight gradients without reaching the input is a "W"."""
+    With `split`, a backward call that did not reach the piece's input is a "W" (on the first piece, whose
+    input is the data, every backward is)."""
 
     def __init__(self, pieces, record, clock, split=False):
         self.pieces, self.record, self.clock, self.split = pieces, record, clock, split
         self.num_forwards, self.current, self.alive = [0] * len(pieces), None, {}
-        self.forward_start, self.reached, self.touched = None, False, False
+        self.forward_start, self.reached = None, False
 
     def hooks(self):
         handles = []
         for k, piece in enumerate(self.pieces):
             handles += [piece.register_forward_pre_hook(functools.partial(self.before_forward, k)),
                         piece.register_forward_hook(functools.partial(self.after_forward, k))]
-            if self.split:
-                handles += [p.register_post_accumulate_grad_hook(self.weights_touched) for p in piece.parameters()]
         return handles
 
     def before_forward(self, k, module, args):
@@ -162,9 +161,6 @@ class _Recorder:
     def input_reached(self, grad):
         self.reached = True
 
-    def weights_touched(self, parameter):
-        self.touched = True
-
     def after_forward(self, k, module, args, output):
         piece, micro_batch = self.current
         self.record.events.append(Event("F", micro_batch, self.forward_start, self.clock(), piece))
@@ -172,10 +168,10 @@ class _Recorder:
             output.register_hook(lambda grad: self.backward_started(piece, micro_batch))
 
     def backward_started(self, piece, micro_batch):
-        start, self.reached, self.touched = self.clock(), False, False
+        start, self.reached = self.clock(), False
 
         def ended():  # autograd has finished this backward call: the input's gradient included
-            kind = "W" if self.split and self.touched and not self.reached else "B"
+            kind = "W" if self.split and not self.reached else "B"
             self.record.events.append(Event(kind, micro_batch, start, self.clock(), piece))
 
         torch.autograd.Variable._execution_engine.queue_callback(ended)
@@ -447,9 +443,11 @@ def zb_h1_order(stage, num_stages, num_micro_batches):
 def interleaved_order(rank, num_stages, num_virtual, num_micro_batches):
     """Interleaved 1F1B on `rank` (Megatron-LM's order): (kind, chunk, micro-batch), chunk k being piece
     rank + k * p. Forwards take micro-batches in groups of p, chunk 0 to v-1; backwards chunk v-1 to 0.
-    Warm-up: (p - rank - 1) * 2 + (v - 1) * p forwards."""
+    Warm-up: (p - rank - 1) * 2 + (v - 1) * p forwards. With one piece per rank, it is 1F1B."""
     p, v, m = num_stages, num_virtual, num_micro_batches
-    check_virtual_sizes(p * v, p, v, m, m)
+    check_virtual_sizes(p * v, p, v, m, m, groups=v > 1)
+    if v == 1:
+        return chunked(one_f_one_b_order)(rank, p, v, m)
 
     def unit(k, backward):
         chunk = (k // p) % v
@@ -461,6 +459,12 @@ def interleaved_order(rank, num_stages, num_virtual, num_micro_batches):
     for k in range(warmup, total):
         order += [("F", *unit(k, False)), ("B", *unit(k - warmup, True))]
     return order + [("B", *unit(k, True)) for k in range(total - warmup, total)]
+
+
+def chunked(order):
+    """A one-piece table (gpipe_order, one_f_one_b_order, zb_h1_order) as interleaved_order's: (rank, p, v, m) ->
+    [(kind, chunk 0, micro-batch)]."""
+    return lambda rank, num_stages, num_virtual, m: [(kind, 0, i) for kind, i in order(rank, num_stages, m)]
 
 
 def idle_slots(orders, num_virtual=1, durations=None):
@@ -505,3 +509,10 @@ def formula_idle_share(schedule, num_stages, num_micro_batches, num_virtual=1):
     p, m, v = num_stages, num_micro_batches, num_virtual
     return {"GPipe": (p - 1) / (m + p - 1), "1F1B": (p - 1) / (m + p - 1),
             "interleaved": (p - 1) / (v * m + p - 1), "ZB-H1": (p - 1) / (3 * m + p - 1)}[schedule]
+
+
+def idle_by_rank(events_by_stage):
+    """Each rank's idle share of one step: 1 - (time it computed) / (the step's span, over all ranks)."""
+    t0 = min(e.start for stage in events_by_stage for e in stage)
+    span = max(e.end for stage in events_by_stage for e in stage) - t0
+    return [1 - sum(e.end - e.start for e in stage) / span for stage in events_by_stage]

@@ -715,8 +715,8 @@ def hand_offs_per_step(rank, world_size, num_virtual, m):
     return m * (sum(p != last for p in pieces) + sum(p != 0 for p in pieces))
 
 
-def _note_peers(where, world_size, tags):
-    """An intercept `before` that refuses a peer outside 0..p-1 and notes each message's (direction, tag)."""
+def _check_peers(where, world_size):
+    """An intercept `before` that refuses a peer outside 0..p-1."""
     def before(call, arguments):
         if call.name not in SENDS + RECEIVES:
             return
@@ -725,7 +725,6 @@ def _note_peers(where, world_size, tags):
             raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: the piece after "
                                  f"the last rank's is on rank 0, and the one before rank 0's on rank {world_size - 1} "
                                  f"((rank ± 1) % p)")
-        tags.add((call.name in SENDS, peer, arguments.get("tag", 0)))
     return before
 
 
@@ -737,9 +736,13 @@ def _check_order(where, record, table):
     show = lambda actions: " ".join(f"{a}{i}" + (f"/chunk{c}" if where.pieces else "") for a, c, i in actions)
     ran = got[k] if k < len(got) else "nothing"
     hint = ""
-    if where.kind == "zb-h1" and k < len(got) and got[k][0] == "W" and k < len(table) and table[k][0] != "W":
+    twice = sorted({a for a in got if a[0] == "W" and got.count(a) > 1})
+    if twice:
+        hint = (f": W of micro-batch {twice[0][2]} ran twice, so its weights' gradients were accumulated twice "
+                f"(on the first stage, where B has nothing to compute, a full backward in B is a W)")
+    elif where.kind == "zb-h1" and k < len(got) and got[k][0] == "W" and k < len(table) and table[k][0] != "W":
         hint = ": a W ran early; ZB-H1 runs it where the table puts it (into the cool-down's bubble)"
-    elif where.kind == "zb-h1" and k < len(got) and got[k][0] == "B" and k < len(table) and table[k][0] == "W":
+    elif where.kind == "zb-h1" and k < len(table) and table[k][0] == "W":
         hint = ": the W that the table puts here did not run (W deferred too long keeps activations alive)"
     elif where.kind == "interleaved" and k < len(got) and k < len(table) and got[k][0] == table[k][0] == "B":
         hint = (": the backward ran on the wrong piece or micro-batch: keep each forward's tensors by (chunk, "
@@ -778,7 +781,6 @@ def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes
     runs = {}
     for m in counts:
         where = WherePieces(label, kind, rank, world_size, num_virtual, m, pieces)
-        tags = set()
 
         def after_step(record):
             _check_order(where, record, schedule_table(kind, rank, world_size, num_virtual, m))
@@ -791,31 +793,26 @@ def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes
             _check_isends(where, record, "this schedule")
 
         def watched(stage, batch, m):
-            with intercept(before=_note_peers(where, world_size, tags)):
+            with intercept(before=_check_peers(where, world_size)):
                 return schedule(stage, batch, m)
 
         run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
-        runs[m] = (run, tags)
+        runs[m] = run
     return runs
 
 
-def _check_pieces_run(where, run, tags, reference, sizes):
+def _check_pieces_run(where, run, reference, sizes):
     grads, weights, losses = reference
     p, v = where.world_size, (where.num_virtual if where.pieces else 1)
     split = pp.stage_layers(sizes["num_layers"], p * v)
     layers = [i for k in range(v) for i in split[where.rank + k * p]]
+    doubled = any(g is not None and max_abs_diff(g, 2 * grads[i]) <= TOLERANCE for g, i in zip(run.grads, layers))
+    if where.kind == "zb-h1" and where.m == 1 and doubled:
+        raise AssertionError(f"{where}: with one micro-batch, the weights' gradients are twice the full batch's: they "
+                             f"were accumulated twice; B (backward_input) must leave .grad alone, W adds them once")
     names = parameter_names(sizes["num_layers"])
-    try:
-        _check_gradients(where, run.grads, [grads[i] for i in layers], [names[i] for i in layers])
-    except AssertionError as e:
-        both_ways = {peer for sending, peer, _ in tags if sending} & {peer for sending, peer, _ in tags if not sending}
-        if p == 2 and both_ways and len({tag for *_, tag in tags}) == 1:
-            raise AssertionError(f"{e}. On 2 ranks, activations and gradients travel between the same two ranks in "
-                                 f"the same direction (piece 0 -> 1 forward, piece 2 -> 1 backward): messages with "
-                                 f"the same tag are matched in the order they were posted, so they get mixed up. "
-                                 f"Give activations and gradients different tags") from None
-        raise
+    _check_gradients(where, run.grads, [grads[i] for i in layers], [names[i] for i in layers])
     _check_losses(where, run.losses, losses)
     for i, got in zip(layers, run.weights):
         diff = max_abs_diff(got, weights[i])
@@ -836,34 +833,38 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
         raise ValueError(f"kind must be one of {list(PAST_1F1B)}, got {kind!r}")
     label, _, pieces, _ = PAST_1F1B[kind]
     v = num_virtual if pieces else 1
+    pp.check_virtual_sizes(num_layers, world_size, v, batch_size, num_micro_batches, groups=pieces)
     worlds = runnable_world_sizes(sorted({world_size, 2}, reverse=True))
-    for n in worlds:
-        pp.check_virtual_sizes(num_layers, n, v, batch_size, num_micro_batches, groups=pieces)
-    counts = [m for m in sorted({world_size, num_micro_batches}) if all(m % n == 0 for n in worlds)
-              and batch_size % m == 0] if pieces else sorted({1, 2, num_micro_batches})
+    counts = {n: [m for m in sorted({n, num_micro_batches, 2 * n}) if m % n == 0 and batch_size % m == 0]
+              if pieces else sorted({1, 2, num_micro_batches}) for n in worlds}
     sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps, seed=seed)
     reference = (reference_gradients(hidden_dim, num_layers, batch_size, seed),
                  *train_reference(hidden_dim, num_layers, batch_size, num_steps, "sgd", seed=seed))
     peaks, sent = {}, {}
     for n in worlds:
-        runs = _spawn(_past_1f1b_main, n, schedule, kind, v, counts, sizes, timeout=timeout)
-        for m, rank in itertools.product(counts, range(n)):
-            run, tags = runs[rank][m]
-            _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), run, tags, reference, sizes)
-        peaks.setdefault(n, {m: [runs[r][m][0].peak_alive for r in range(n)] for m in counts})
-        sent.setdefault(n, {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts})
+        try:
+            runs = _spawn(_past_1f1b_main, n, schedule, kind, v, counts[n], sizes, timeout=timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{label} on {n} ranks: a rank waited for ever. A blocking dist.send returns only "
+                               f"once the receiver takes the message, and the receiver may be waiting for this rank: "
+                               f"send with dist.isend (keep the handles, wait at the end of the step); and check that "
+                               f"every message the table implies is sent and received.\n{e}") from None
+        for m, rank in itertools.product(counts[n], range(n)):
+            _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), runs[rank][m], reference, sizes)
+        peaks[n] = {m: [runs[r][m].peak_alive for r in range(n)] for m in counts[n]}
+        sent[n] = {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts[n]}
+    n = worlds[0]
     print(f"{label}: correct on {' and '.join(map(str, worlds))} ranks" + (f", {v} pieces each" if pieces else "")
-          + f", micro-batches {counts}")
+          + ", micro-batches " + "; ".join(f"{counts[w]} on {w}" for w in worlds))
     print(f"  step 0's gradients, the losses and the weights after {num_steps} SGD steps equal the single-process "
           f"run's to {TOLERANCE:g}")
     print(f"  each rank ran its table ({PAST_1F1B[kind][1]}) in order, every send an isend still in flight")
-    n = worlds[0]
     if pieces:
         print(f"  messages per step on {n} ranks (counted): " + ", ".join(
-            f"m={m}: {sent[n][m]} = 2 m (p v - 1), against 1F1B's 2 m (p - 1) = {2 * m * (n - 1)}" for m in counts))
+            f"m={m}: {sent[n][m]} = 2 m (p v - 1), against 1F1B's 2 m (p - 1) = {2 * m * (n - 1)}" for m in counts[n]))
     else:
         print(f"  micro-batches alive at once on each of {n} ranks (counted): "
-              + ", ".join(f"m={m}: {peaks[n][m]}" for m in counts) + f"; 1F1B's peak: min(p, m)")
+              + ", ".join(f"m={m}: {peaks[n][m]}" for m in counts[n]) + "; 1F1B's peak: min(p, m)")
 
 
 def check_interleaved_step(interleaved_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
