@@ -413,6 +413,7 @@ def test_notebook_12_each_wrong_answer_fails_with_its_hint(exercise, what, edit,
         check_12(exercise, solution(SCHEDULES_NOTEBOOK, replace=edit), world_size, timeout=HANG * 3)
 
 
+@pytest.mark.slow  # 3.4 s: the check's timeout
 def test_notebook_12_a_blocking_send_waits_for_ever_and_the_check_says_why():
     blocking = solution(SCHEDULES_NOTEBOOK, replace={I_SEND_GRAD: "            dist.send(x.grad, dst=(rank - 1) % p)\n"})
     with pytest.raises(TimeoutError, match="interleaved_step on 2 ranks: a rank waited for ever. A blocking dist.send"):
