@@ -291,7 +291,8 @@ def test_notebook_12_solution_passes_every_check(schedules_right, capsys):
     for exercise in ("split", "interleaved", "zb-h1"):
         check_12(exercise, schedules_right)
     out = capsys.readouterr().out
-    for verdict in ("backward_weight (W): correct", "interleaved_step: correct", "2 m (p v - 1)", "zb_h1_step: correct"):
+    for verdict in ("backward_weight (W): correct", "interleaved_step: correct", "2 m (p v - 1)",
+                    "zb_h1_step: correct"):
         assert verdict in out
 
 
@@ -393,12 +394,14 @@ WRONG_12 = {
                                  'key=lambda a: a[0] == "W")')},
          r"zb_h1_step on rank \d of 2, 4 micro-batches: .*the W that the table puts here did not run"),
         ("B runs the full backward, then W adds the weights' gradients again",
-         {Z_B: "            y.backward(grad, retain_graph=True)\n            dx = None if stage.is_first else x.grad\n"},
+         {Z_B: "            y.backward(grad, retain_graph=True)\n"
+               "            dx = None if stage.is_first else x.grad\n"},
          r"zb_h1_step on rank 0 of 2, 1 micro-batch: .*W of micro-batch 0 ran twice, so its weights' gradients were "
          r"accumulated twice"),
         ("W with the gradient of the last B's micro-batch, not its own (shows from 3 stages on)",
          {Z_W: Z_W.replace("_, y, grad = alive.pop(i)", "_, y, _ = alive.pop(i)")},
-         r"zb_h1_step on rank 1 of 3, \d micro-batches: after step 0's backward, the gradient of layers.2.linear.weight "
+         r"zb_h1_step on rank 1 of 3, \d micro-batches: after step 0's backward, the gradient of "
+         r"layers.2.linear.weight "
          r"differs .*: back-propagate each micro-batch's output with the gradient received from the next stage for it",
          3),
     ],
@@ -415,7 +418,8 @@ def test_notebook_12_each_wrong_answer_fails_with_its_hint(exercise, what, edit,
 
 @pytest.mark.slow  # 3.4 s: the check's timeout
 def test_notebook_12_a_blocking_send_waits_for_ever_and_the_check_says_why():
-    blocking = solution(SCHEDULES_NOTEBOOK, replace={I_SEND_GRAD: "            dist.send(x.grad, dst=(rank - 1) % p)\n"})
+    blocking_send = "            dist.send(x.grad, dst=(rank - 1) % p)\n"
+    blocking = solution(SCHEDULES_NOTEBOOK, replace={I_SEND_GRAD: blocking_send})
     with pytest.raises(TimeoutError, match="interleaved_step on 2 ranks: a rank waited for ever. A blocking dist.send"):
         check_12("interleaved", blocking, timeout=HANG)
 

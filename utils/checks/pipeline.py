@@ -623,7 +623,7 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
     xs = _piece_inputs(piece, batch.chunk(m), inputs)
     ys = []
     with pp.record_step(piece, split=True) as record:
-        for i, x in enumerate(xs):
+        for x in xs:
             y = piece(x)
             ys.append(loss_fn(y) / m if piece.is_last else y)
         for i, (x, y) in enumerate(zip(xs, ys)):
