@@ -1,4 +1,4 @@
-"""utils/checks/pipeline.py: the notebook 04 solution passes every check on any stage count; each plausible
+"""utils/checks/pipeline.py: the notebook 04 (and 12) solution passes every check on any stage count; each plausible
 wrong answer, written as a small edit of the solution itself, fails at its own exercise's check with a
 hint that names the mistake."""
 import pytest
@@ -6,11 +6,14 @@ import torch
 
 from utils import pipeline as pp
 from utils.checks.pipeline import (
+    check_backward_split,
     check_forward_backward,
     check_gpipe_step,
     check_hand_offs,
+    check_interleaved_step,
     check_naive_step,
     check_one_f_one_b_step,
+    check_zb_h1_step,
 )
 from utils.notebooks import solution
 
@@ -260,3 +263,170 @@ def test_a_wrong_stage_split_fails(monkeypatch):
     monkeypatch.setattr(pp, "stage_layers", last_stages_take_more)
     with pytest.raises(AssertionError, match=r"holds 2 layer\(s\); expected 3: 5 // 2 each, and one more on the"):
         check("naive", solution(NOTEBOOK))
+
+
+# ---------------------------------------------------------------- notebook 12: schedules past 1F1B
+
+SCHEDULES_NOTEBOOK = "12_pipeline_schedules"
+NUM_VIRTUAL = 2
+
+
+@pytest.fixture(scope="module")
+def schedules_right():
+    return solution(SCHEDULES_NOTEBOOK)
+
+
+def check_12(exercise, sol, world_size=2, timeout=20):
+    sizes = (HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+    if exercise == "split":
+        check_backward_split(sol.backward_input, sol.backward_weight, *sizes, NUM_MICRO_BATCHES)
+    elif exercise == "interleaved":
+        check_interleaved_step(sol.interleaved_step, world_size, *sizes, 1, NUM_MICRO_BATCHES, NUM_VIRTUAL,
+                               timeout=timeout)
+    else:
+        check_zb_h1_step(sol.zb_h1_step, world_size, *sizes, 1, NUM_MICRO_BATCHES, timeout=timeout)
+
+
+def test_notebook_12_solution_passes_every_check(schedules_right, capsys):
+    for exercise in ("split", "interleaved", "zb-h1"):
+        check_12(exercise, schedules_right)
+    out = capsys.readouterr().out
+    for verdict in ("backward_weight (W): correct", "interleaved_step: correct", "2 m (p v - 1)",
+                    "zb_h1_step: correct"):
+        assert verdict in out
+
+
+@pytest.mark.slow
+def test_notebook_12_solution_passes_on_more_ranks(schedules_right):
+    check_12("interleaved", schedules_right, 4)
+    check_12("zb-h1", schedules_right, 3)
+
+
+def test_the_tables_and_their_exact_bubbles():
+    assert pp.zb_h1_order(1, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1)]
+    assert pp.interleaved_order(0, 2, 1, 3) == [(k, 0, i) for k, i in pp.one_f_one_b_order(0, 2, 3)]
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3)]:
+        tables = {"GPipe": (pp.chunked(pp.gpipe_order), 1), "1F1B": (pp.chunked(pp.one_f_one_b_order), 1),
+                  "interleaved": (pp.interleaved_order, v), "ZB-H1": (pp.chunked(pp.zb_h1_order), 1)}
+        for name, (order, vv) in tables.items():
+            busy, length = pp.idle_slots([order(r, p, vv, m) for r in range(p)], vv)
+            assert 1 - sum(busy) / (p * length) == pytest.approx(pp.formula_idle_share(name, p, m, vv))
+
+
+def test_bad_virtual_sizes_name_the_values():
+    with pytest.raises(ValueError, match="num_virtual must be at least 1, got 0"):
+        pp.check_virtual_sizes(8, 4, 0, 8, 4)
+    with pytest.raises(ValueError, match="num layers 6 do not split into world size 4 x num virtual 2 = 8 pieces"):
+        pp.check_virtual_sizes(6, 4, 2, 8, 4)
+    with pytest.raises(ValueError, match="num micro batches 2 is not a multiple of world size 4"):
+        pp.check_virtual_sizes(8, 4, 2, 8, 2)
+    with pytest.raises(ValueError, match="num micro batches 3 is not a multiple of world size 2"):
+        check_interleaved_step(None, 2, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, 1, 3, NUM_VIRTUAL)
+
+
+def test_recording_names_b_and_w():
+    stage = pp.build_stage(1, 3, HIDDEN_DIM, 3)
+    x = torch.ones(2, HIDDEN_DIM, dtype=torch.float64, requires_grad=True)
+    with pp.record_step(stage, split=True) as record:
+        y = stage(x)
+        torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
+        torch.autograd.backward(y, torch.ones_like(y), inputs=list(stage.parameters()))
+    assert [e.kind for e in record.events] == ["F", "B", "W"]
+
+
+B_SPLIT = "    (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)\n    return dx\n"
+W_SPLIT = "    torch.autograd.backward(y, grad, inputs=list(stage.parameters()))\n"
+I_SEND_FORWARD = "                sends.append(dist.isend(y.detach(), dst=(rank + 1) % p))\n"
+I_SEND_GRAD = "            sends.append(dist.isend(x.grad, dst=(rank - 1) % p))\n"
+I_LOOP = "    for kind, chunk, i in order(rank, p, len(pieces), num_micro_batches):\n"
+Z_LOOP = "    for kind, i in pp.zb_h1_order(stage.rank, stage.world_size, num_micro_batches):\n"
+Z_B = "            dx = backward_input(x, y, grad)\n"
+Z_W = "            _, y, grad = alive.pop(i)\n            backward_weight(stage, y, grad)\n"
+
+WRONG_12 = {
+    "split": [
+        ("B runs the full backward: the weights' .grad accumulated in B",
+         {B_SPLIT: "    y.backward(grad, retain_graph=True)\n    return x.grad\n"},
+         r"backward_input on the middle piece .*: B left layers.2.linear.weight.grad set: B alone must leave the "
+         r"weights' .grad untouched"),
+        ("retain_graph missing: W fails",
+         {B_SPLIT: B_SPLIT.replace(", retain_graph=True", "")},
+         r"backward_weight on the middle piece .*: W failed: the graph was freed by B. B must keep it for W "
+         r"\(retain_graph=True\)"),
+        ("W overwrites .grad instead of accumulating",
+         {W_SPLIT: "    for p, g in zip(stage.parameters(), torch.autograd.grad(y, list(stage.parameters()), grad)):\n"
+                   "        p.grad = g\n"},
+         r"after W of 4 micro-batches, layers.0.linear.weight.grad holds only the last one's: W overwrote .grad"),
+        ("W returns the gradients without storing them",
+         {W_SPLIT: "    return torch.autograd.grad(y, list(stage.parameters()), grad)\n"},
+         r"after W, layers.0.linear.weight.grad is None: W must accumulate the weights' gradients into .grad"),
+        ("W without inputs=: the input's gradient computed again",
+         {W_SPLIT: "    torch.autograd.backward(y, grad)\n"},
+         r"the backward calls, as autograd saw them, were B W; expected B W|were B B; expected B W: W must compute "
+         r"only the weights' gradients"),
+        ("B returns the gradient it was given",
+         {B_SPLIT: "    return grad\n"},
+         r"backward_input on the middle piece .*: returned the gradient it was given, not the input's"),
+    ],
+    "interleaved": [
+        ("the hand-off after the last rank not wrapped to rank 0",
+         {I_SEND_FORWARD: I_SEND_FORWARD.replace("(rank + 1) % p", "rank + 1")},
+         r"interleaved_step on rank 1 of 2.*: dist.isend with rank 2, which does not exist: the piece after the last "
+         r"rank's is on rank 0"),
+        ("each micro-batch's loss not divided by m",
+         {"                y = loss_fn(y) / num_micro_batches\n            else:\n" + I_SEND_FORWARD:
+          "                y = loss_fn(y)\n            else:\n" + I_SEND_FORWARD},
+         r"the gradient of layers.\d.linear.weight is 2 times the full batch's"),
+        ("the table not followed: all forwards, then all backwards",
+         {I_LOOP: I_LOOP.replace("order(rank, p, len(pieces), num_micro_batches)",
+                                 'sorted(order(rank, p, len(pieces), num_micro_batches), key=lambda a: a[0] == "B")')},
+         r"interleaved_step on rank \d of 2, 2 pieces each, \d micro-batches: the computations ran in another order "
+         r"than the table \(pp.interleaved_order\)"),
+    ],
+    "zb-h1": [
+        ("W right after B, not deferred",
+         {Z_B: Z_B + "            backward_weight(stage, y, grad)\n", Z_W: "            alive.pop(i)\n"},
+         r"zb_h1_step on rank 1 of 2, 2 micro-batches: the computations ran in another order than the table "
+         r"\(pp.zb_h1_order\) from position 2: ran \('W', 0, 0\), the table says \('F', 0, 1\): a W ran early"),
+        ("every W deferred to the end of the step",
+         {Z_LOOP: Z_LOOP.replace("pp.zb_h1_order(stage.rank, stage.world_size, num_micro_batches)",
+                                 'sorted(pp.zb_h1_order(stage.rank, stage.world_size, num_micro_batches), '
+                                 'key=lambda a: a[0] == "W")')},
+         r"zb_h1_step on rank \d of 2, 4 micro-batches: .*the W that the table puts here did not run"),
+        ("B runs the full backward, then W adds the weights' gradients again",
+         {Z_B: "            y.backward(grad, retain_graph=True)\n"
+               "            dx = None if stage.is_first else x.grad\n"},
+         r"zb_h1_step on rank 0 of 2, 1 micro-batch: .*W of micro-batch 0 ran twice, so its weights' gradients were "
+         r"accumulated twice"),
+        ("W with the gradient of the last B's micro-batch, not its own (shows from 3 stages on)",
+         {Z_W: Z_W.replace("_, y, grad = alive.pop(i)", "_, y, _ = alive.pop(i)")},
+         r"zb_h1_step on rank 1 of 3, \d micro-batches: after step 0's backward, the gradient of "
+         r"layers.2.linear.weight "
+         r"differs .*: back-propagate each micro-batch's output with the gradient received from the next stage for it",
+         3),
+    ],
+}
+
+
+@pytest.mark.parametrize("exercise, what, edit, hint, world_size", [(e, *w, 2)[:5] for e, ws in WRONG_12.items()
+                                                                     for w in ws],
+                         ids=[f"{e}: {w[0]}" for e, ws in WRONG_12.items() for w in ws])
+def test_notebook_12_each_wrong_answer_fails_with_its_hint(exercise, what, edit, hint, world_size):
+    with pytest.raises(AssertionError, match=hint):
+        check_12(exercise, solution(SCHEDULES_NOTEBOOK, replace=edit), world_size, timeout=HANG * 3)
+
+
+@pytest.mark.slow  # 3.4 s: the check's timeout
+def test_notebook_12_a_blocking_send_waits_for_ever_and_the_check_says_why():
+    blocking_send = "            dist.send(x.grad, dst=(rank - 1) % p)\n"
+    blocking = solution(SCHEDULES_NOTEBOOK, replace={I_SEND_GRAD: blocking_send})
+    with pytest.raises(TimeoutError, match="interleaved_step on 2 ranks: a rank waited for ever. A blocking dist.send"):
+        check_12("interleaved", blocking, timeout=HANG)
+
+
+def test_notebook_12_right_answers_written_another_way():
+    other = solution(SCHEDULES_NOTEBOOK, replace={
+        B_SPLIT: "    y.backward(grad, inputs=[x], retain_graph=True)\n    return x.grad\n",
+        W_SPLIT: "    for p, g in zip(stage.parameters(), torch.autograd.grad(y, list(stage.parameters()), grad)):\n"
+                 "        p.grad = g if p.grad is None else p.grad + g\n"})
+    check_12("split", other)

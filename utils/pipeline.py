@@ -17,6 +17,14 @@ the plots need to know about a step is recorded from outside the stage, by whoev
     record.peak_alive  # micro-batches whose activations autograd held at once
 
 `train_pipeline` runs a schedule for several steps with an optimizer and returns a `PipelineRun`.
+
+Past 1F1B (notebook 12): a rank may hold `v` pieces of the model (`build_pieces`: the model cut into
+p*v pieces, rank r holding pieces r, r+p, ...), each a `Stage` of p*v; the schedule then gets them as
+an `nn.ModuleList` and `record_step` records each piece's events (`Event.piece`). A backward may be split
+into B (the input's gradient) and W (the weights'): `record_step(..., split=True)` labels a backward call
+that reached the piece's input "B" and one that did not "W". The tables
+`gpipe_order`, `one_f_one_b_order`, `interleaved_order` and `zb_h1_order` say what each rank runs, in
+order; `idle_slots` plays them with unit-time computations: the exact bubble each formula approximates.
 """
 import contextlib
 import dataclasses
@@ -81,13 +89,38 @@ def build_stage(rank, world_size, hidden_dim, num_layers, seed=0, dtype=torch.fl
     return Stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
 
 
+def check_virtual_sizes(num_layers, world_size, num_virtual, batch_size, num_micro_batches, groups=True):
+    """Interleaved stages: v >= 1 pieces per rank, at least one layer per piece (the 04 rule splits the
+    layers into p*v pieces), equal micro-batches, and, if `groups`, micro-batches in groups of p.
+    Returns the micro-batch size."""
+    world_size, num_virtual = check_int("world_size", world_size), check_int("num_virtual", num_virtual)
+    if num_virtual < 1:
+        raise ValueError(f"num virtual {num_virtual}: each rank must hold at least one piece of the model")
+    if check_int("num_layers", num_layers) < world_size * num_virtual:
+        raise ValueError(f"num layers {num_layers} do not split into world size {world_size} x num virtual "
+                         f"{num_virtual} = {world_size * num_virtual} pieces: every piece needs at least one layer")
+    if groups and check_int("num_micro_batches", num_micro_batches) % world_size:
+        raise ValueError(f"num micro batches {num_micro_batches} is not a multiple of world size {world_size}: "
+                         f"interleaved 1F1B runs the micro-batches in groups of {world_size} (as Megatron-LM)")
+    return check_sizes(num_layers, world_size * num_virtual, batch_size, num_micro_batches)
+
+
+def build_pieces(rank, world_size, num_virtual, hidden_dim, num_layers, seed=0, dtype=torch.float64):
+    """This rank's v pieces of the model cut into p*v: pieces rank, rank + p, ..., each a Stage of p*v
+    (its `rank` is the piece's index, `is_first` / `is_last` the whole model's ends)."""
+    pieces = world_size * num_virtual
+    return nn.ModuleList(Stage(rank + k * world_size, pieces, hidden_dim, num_layers, seed, dtype)
+                         for k in range(num_virtual))
+
+
 # ---------------------------------------------------------------- recording a step, from outside the stage
 
 class Event(NamedTuple):
-    kind: str  # "F" or "B"
-    micro_batch: int  # numbered in the order of this step's forwards
+    kind: str  # "F" or "B" (and "W" when the backward is split)
+    micro_batch: int  # numbered in the order of this step's forwards (of its piece)
     start: float  # perf_counter seconds: one clock for every rank on the machine
     end: float
+    piece: int = 0  # which of the rank's pieces (0 when it holds one stage)
 
 
 @dataclasses.dataclass
@@ -100,53 +133,67 @@ class StepRecord:
 
 
 class _Recorder:
-    """Module and tensor hooks that fill a StepRecord. A forward is timed by the stage's forward hooks;
-    a backward from the gradient reaching the stage's output to the end of that backward call (the
+    """Module and tensor hooks that fill a StepRecord. A forward is timed by each piece's forward hooks;
+    a backward from the gradient reaching the piece's output to the end of that backward call (the
     input's gradient included). What autograd saves for the backward is packed into
-    a holder that dies when the backward frees the graph: a micro-batch is alive while it has holders."""
+    a holder that dies when the backward frees the graph: a micro-batch is alive while it has holders.
+    With `split`, a backward call that did not reach the piece's input is a "W" (on the first piece, whose
+    input is the data, every backward is)."""
 
-    def __init__(self, stage, record, clock):
-        self.stage, self.record, self.clock = stage, record, clock
-        self.num_forwards, self.current, self.alive = 0, None, {}
-        self.forward_start = None
+    def __init__(self, pieces, record, clock, split=False):
+        self.pieces, self.record, self.clock, self.split = pieces, record, clock, split
+        self.num_forwards, self.current, self.alive = [0] * len(pieces), None, {}
+        self.forward_start, self.reached = None, False
 
     def hooks(self):
-        return [self.stage.register_forward_pre_hook(self.before_forward),
-                self.stage.register_forward_hook(self.after_forward)]
+        handles = []
+        for k, piece in enumerate(self.pieces):
+            handles += [piece.register_forward_pre_hook(functools.partial(self.before_forward, k)),
+                        piece.register_forward_hook(functools.partial(self.after_forward, k))]
+        return handles
 
-    def before_forward(self, module, args):
-        self.current, self.forward_start = self.num_forwards, self.clock()
-        self.num_forwards += 1
+    def before_forward(self, k, module, args):
+        self.current, self.forward_start = (k, self.num_forwards[k]), self.clock()
+        self.num_forwards[k] += 1
+        if self.split and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(self.input_reached)
 
-    def after_forward(self, module, args, output):
-        micro_batch = self.current
-        self.record.events.append(Event("F", micro_batch, self.forward_start, self.clock()))
+    def input_reached(self, grad):
+        self.reached = True
+
+    def after_forward(self, k, module, args, output):
+        piece, micro_batch = self.current
+        self.record.events.append(Event("F", micro_batch, self.forward_start, self.clock(), piece))
         if output.requires_grad:
-            output.register_hook(lambda grad: self.backward_started(micro_batch))
+            output.register_hook(lambda grad: self.backward_started(piece, micro_batch))
 
-    def backward_started(self, micro_batch):
-        start = self.clock()
-        # runs when autograd has finished this backward call: the input's gradient included
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: self.record.events.append(Event("B", micro_batch, start, self.clock())))
+    def backward_started(self, piece, micro_batch):
+        start, self.reached = self.clock(), False
+
+        def ended():  # autograd has finished this backward call: the input's gradient included
+            kind = "W" if self.split and not self.reached else "B"
+            self.record.events.append(Event(kind, micro_batch, start, self.clock(), piece))
+
+        torch.autograd.Variable._execution_engine.queue_callback(ended)
 
     def pack(self, tensor):
-        micro_batch = self.current
-        self.alive[micro_batch] = self.alive.get(micro_batch, 0) + 1
+        key = self.current
+        self.alive[key] = self.alive.get(key, 0) + 1
         self.record.peak_alive = max(self.record.peak_alive, len(self.alive))
-        return Saved(tensor, functools.partial(self.release, micro_batch))
+        return Saved(tensor, functools.partial(self.release, key))
 
-    def release(self, micro_batch):
-        self.alive[micro_batch] -= 1
-        if not self.alive[micro_batch]:
-            del self.alive[micro_batch]
+    def release(self, key):
+        self.alive[key] -= 1
+        if not self.alive[key]:
+            del self.alive[key]
 
 
 @contextlib.contextmanager
-def record_step(stage, clock=time.perf_counter):
-    """Record one step of `stage` (see the module's doc); every hook is removed on leaving the block."""
+def record_step(stage, clock=time.perf_counter, split=False):
+    """Record one step of `stage` (see the module's doc), or of a rank's pieces (an nn.ModuleList);
+    every hook is removed on leaving the block."""
     record = StepRecord()
-    recorder = _Recorder(stage, record, clock)
+    recorder = _Recorder(list(stage) if isinstance(stage, nn.ModuleList) else [stage], record, clock, split)
     with contextlib.ExitStack() as stack:
         record.calls = stack.enter_context(intercept(clock=clock))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, unpack))
@@ -172,12 +219,18 @@ class PipelineRun:
 
 
 def train_pipeline(rank, world_size, schedule, *, hidden_dim, num_layers, batch_size, num_steps,
-                   num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64, after_step=None):
+                   num_micro_batches=1, optimizer="sgd", seed=0, dtype=torch.float64, after_step=None,
+                   num_virtual=None, split=False):
     """One rank's run of `num_steps` steps of `schedule` (the course's loop, `utils.model.train`), each step
     recorded: a PipelineRun. `after_step(record)`, if given, sees each step's StepRecord on this rank as soon as
-    the step ends."""
-    check_sizes(num_layers, world_size, batch_size, num_micro_batches)
-    stage = build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+    the step ends. With `num_virtual`, the rank holds that many pieces (`build_pieces`) and the schedule gets
+    them; `split` records B and W apart."""
+    if num_virtual is None:
+        check_sizes(num_layers, world_size, batch_size, num_micro_batches)
+        stage = build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
+    else:
+        check_virtual_sizes(num_layers, world_size, num_virtual, batch_size, num_micro_batches, groups=False)
+        stage = build_pieces(rank, world_size, num_virtual, hidden_dim, num_layers, seed, dtype)
     opt = make_optimizer(stage.parameters(), optimizer)
     run = PipelineRun(weights=[], grads=None, losses=[], steps=[])
 
@@ -187,7 +240,7 @@ def train_pipeline(rank, world_size, schedule, *, hidden_dim, num_layers, batch_
 
     @contextlib.contextmanager
     def recorded(step):
-        with record_step(stage) as record:
+        with record_step(stage, split=split) as record:
             yield
         run.steps.append(record)
         if after_step is not None:
@@ -325,25 +378,141 @@ def alone_and_together(events_by_stage, kind):
 
 
 def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_dim, num_layers, batch_size,
-                     num_steps=2, warmup=1, seed=0, dtype=torch.float32):
+                     num_steps=2, warmup=1, seed=0, dtype=torch.float32, layouts=None):
     """{(schedule name, m): this stage's StepRecord of each timed step} for each schedule in `schedules`
     ({name: schedule}) and each micro-batch count, after `warmup` untimed steps. Every step starts after a
-    barrier, so all stages start together; times are perf_counter seconds (one clock per machine)."""
-    for m in micro_batch_counts:
-        check_sizes(num_layers, world_size, batch_size, m)
-    stage = build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype)
-    opt = make_optimizer(stage.parameters(), "sgd")
+    barrier, so all stages start together; times are perf_counter seconds (one clock per machine).
+    `layouts` ({name: (num_virtual, split)}) gives a schedule v pieces per rank and records B and W apart."""
+    layouts = layouts or {}
+    for name in schedules:
+        v, _ = layouts.get(name, (None, False))
+        for m in micro_batch_counts:
+            if v is None:
+                check_sizes(num_layers, world_size, batch_size, m)
+            else:
+                check_virtual_sizes(num_layers, world_size, v, batch_size, m)
     batch = make_batch(batch_size, hidden_dim, seed, 0, dtype)
     timelines = {}
     for name, schedule in schedules.items():
+        v, split = layouts.get(name, (None, False))
+        stage = (build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype) if v is None
+                 else build_pieces(rank, world_size, v, hidden_dim, num_layers, seed, dtype))
+        opt = make_optimizer(stage.parameters(), "sgd")
         for m in micro_batch_counts:
             timelines[name, m] = []
             for step in range(warmup + num_steps):
                 dist.barrier()
-                with record_step(stage) as record:
+                with record_step(stage, split=split) as record:
                     schedule(stage, batch, m)
                 opt.step()
                 opt.zero_grad()
                 if step >= warmup:
                     timelines[name, m].append(record)
     return timelines
+
+
+# ---------------------------------------------------------------- schedules as tables (notebook 12)
+
+def gpipe_order(stage, num_stages, num_micro_batches):
+    """GPipe on `stage`: (kind, micro-batch) of every forward, then of every backward."""
+    return [("F", i) for i in range(num_micro_batches)] + [("B", i) for i in range(num_micro_batches)]
+
+
+def one_f_one_b_order(stage, num_stages, num_micro_batches):
+    """1F1B on `stage`: p - s - 1 warm-up forwards, then a forward and a backward in turn, then the rest."""
+    warmup = min(num_stages - stage - 1, num_micro_batches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(warmup, num_micro_batches):
+        order += [("F", i), ("B", i - warmup)]
+    return order + [("B", i) for i in range(num_micro_batches - warmup, num_micro_batches)]
+
+
+def zb_h1_order(stage, num_stages, num_micro_batches):
+    """ZB-H1 on `stage`: 1F1B's forwards and input gradients B, and each weight gradient W run `stage` places
+    late (after the B of micro-batch i + stage): the last stage's W fill the cool-down it spent idle in 1F1B,
+    and no stage holds more than p micro-batches (1F1B's first stage)."""
+    order, done = [], 0
+    for kind, i in one_f_one_b_order(stage, num_stages, num_micro_batches):
+        order.append((kind, i))
+        if kind == "B" and i >= stage:
+            order.append(("W", done))
+            done += 1
+    return order + [("W", i) for i in range(done, num_micro_batches)]
+
+
+def interleaved_order(rank, num_stages, num_virtual, num_micro_batches):
+    """Interleaved 1F1B on `rank` (Megatron-LM's order): (kind, chunk, micro-batch), chunk k being piece
+    rank + k * p. Forwards take micro-batches in groups of p, chunk 0 to v-1; backwards chunk v-1 to 0.
+    Warm-up: (p - rank - 1) * 2 + (v - 1) * p forwards. With one piece per rank, it is 1F1B."""
+    p, v, m = num_stages, num_virtual, num_micro_batches
+    check_virtual_sizes(p * v, p, v, m, m, groups=v > 1)
+    if v == 1:
+        return chunked(one_f_one_b_order)(rank, p, v, m)
+
+    def unit(k, backward):
+        chunk = (k // p) % v
+        return (v - 1 - chunk if backward else chunk), (k // (p * v)) * p + k % p
+
+    total = m * v
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [("F", *unit(k, False)) for k in range(warmup)]
+    for k in range(warmup, total):
+        order += [("F", *unit(k, False)), ("B", *unit(k - warmup, True))]
+    return order + [("B", *unit(k, True)) for k in range(total - warmup, total)]
+
+
+def chunked(order):
+    """A one-piece table (gpipe_order, one_f_one_b_order, zb_h1_order) as interleaved_order's: (rank, p, v, m) ->
+    [(kind, chunk 0, micro-batch)]."""
+    return lambda rank, num_stages, num_virtual, m: [(kind, 0, i) for kind, i in order(rank, num_stages, m)]
+
+
+def idle_slots(orders, num_virtual=1, durations=None):
+    """Play the tables `orders` (one per rank: (kind, micro-batch) or (kind, chunk, micro-batch)) with
+    computations of fixed length (default F = B = W = 1, and B = 2 for a backward not split) and free
+    hand-offs. Returns (slots each rank computed, the step's length): the exact bubble, in slots.
+    F of piece j needs F of piece j - 1; B of piece j needs B of piece j + 1; W follows its B on the rank."""
+    p = len(orders)
+    orders = [[a if len(a) == 3 else (a[0], 0, a[1]) for a in order] for order in orders]
+    split = any(kind == "W" for order in orders for kind, _, _ in order)
+    durations = durations or {"F": 1, "B": 1 if split else 2, "W": 1}
+    ends, free, nxt = {}, [0] * p, [0] * p
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                kind, chunk, i = orders[r][nxt[r]]
+                piece = r + chunk * p
+                need = {"F": ("F", piece - 1), "B": ("B", piece + 1), "W": ("B", piece)}[kind]
+                last_piece = p * num_virtual - 1
+                if kind == "B" and piece == last_piece:
+                    need = ("F", piece)
+                if kind == "F" and piece == 0:
+                    ready = 0
+                elif need + (i,) in ends:
+                    ready = ends[need + (i,)]
+                else:
+                    break
+                start = max(free[r], ready)
+                free[r] = ends[kind, piece, i] = start + durations[kind]
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the tables deadlock: some computation waits for one that never runs first")
+    busy = [sum(durations[kind] for kind, _, _ in order) for order in orders]
+    return busy, max(free)
+
+
+def formula_idle_share(schedule, num_stages, num_micro_batches, num_virtual=1):
+    """The idle share of a step with unit computations (F = B = W): GPipe and 1F1B (p-1)/(m+p-1);
+    interleaved (p-1)/(v m + p-1); ZB-H1 fills W into the cool-down: (p-1)/(3m + p-1)."""
+    p, m, v = num_stages, num_micro_batches, num_virtual
+    return {"GPipe": (p - 1) / (m + p - 1), "1F1B": (p - 1) / (m + p - 1),
+            "interleaved": (p - 1) / (v * m + p - 1), "ZB-H1": (p - 1) / (3 * m + p - 1)}[schedule]
+
+
+def idle_by_rank(events_by_stage):
+    """Each rank's idle share of one step: 1 - (time it computed) / (the step's span, over all ranks)."""
+    t0 = min(e.start for stage in events_by_stage for e in stage)
+    span = max(e.end for stage in events_by_stage for e in stage) - t0
+    return [1 - sum(e.end - e.start for e in stage) / span for stage in events_by_stage]

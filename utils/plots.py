@@ -95,27 +95,51 @@ def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crosso
 
 
 def plot_pipeline_timelines(timelines, title):
-    """timelines: {schedule name: events by stage}, each a utils.pipeline.Event (kind "F"/"B", micro-batch,
-    start, end in seconds). One Gantt chart per schedule: stages as rows, forwards blue and backwards orange,
-    labelled by micro-batch; the gaps between the bars are the idle time."""
+    """timelines: {schedule name: events by stage}, each a utils.pipeline.Event (kind "F"/"B"/"W", micro-batch,
+    start, end in seconds, piece). One Gantt chart per schedule: stages as rows, forwards blue, backwards
+    orange (weight gradients green), labelled by micro-batch (and piece); the gaps are the idle time."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
                              squeeze=False)
-    colors = {"F": "tab:blue", "B": "tab:orange"}
+    colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
     for ax, (name, events_by_stage) in zip(axes[:, 0], timelines.items()):
         t0 = min(e.start for events in events_by_stage for e in events)
         for stage, events in enumerate(events_by_stage):
-            for kind, micro_batch, start, end in events:
-                ax.barh(stage, (end - start) * 1e3, left=(start - t0) * 1e3, color=colors[kind], edgecolor="white")
-                ax.text((start + end - 2 * t0) / 2 * 1e3, stage, str(micro_batch), ha="center", va="center",
+            for e in events:
+                ax.barh(stage, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=colors[e.kind],
+                        edgecolor="white", alpha=1 / (1 + 0.6 * e.piece))
+                ax.text((e.start + e.end - 2 * t0) / 2 * 1e3, stage, str(e.micro_batch), ha="center", va="center",
                         fontsize=7, color="white")
         ax.set_yticks(range(len(events_by_stage)), [f"stage {s}" for s in range(len(events_by_stage))])
         ax.invert_yaxis()
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("time (ms)")
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-               labels=["forward", "backward"], fontsize=7, loc="upper right")
+    kinds = [k for k in colors if any(e.kind == k for t in timelines.values() for es in t for e in es)]
+    names = {"F": "forward", "B": "backward" + (" (B)" if "W" in kinds else ""), "W": "weight gradient (W)"}
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds],
+               labels=[names[k] for k in kinds], fontsize=7, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_idle_shares(rows, title):
+    """rows: {schedule: {"formula": share, "exact slots": share, "measured": [share by rank]}}. Grouped bars per
+    schedule; the measured shares of each rank as dots over their bar (their mean)."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = ["formula", "exact slots", "measured"]
+    width = 0.8 / len(labels)
+    for k, label in enumerate(labels):
+        xs = [i + (k - 1) * width for i in range(len(rows))]
+        values = [row[label] for row in rows.values()]
+        means = [sum(v) / len(v) if isinstance(v, list) else v for v in values]
+        ax.bar(xs, means, width, label=label)
+        for x, v in zip(xs, values):
+            if isinstance(v, list):
+                ax.plot([x] * len(v), v, "k.", markersize=4)
+    ax.set_xticks(range(len(rows)), list(rows))
+    ax.set_ylabel("idle share of a step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
 
 
 def plot_memory(rows, title):

@@ -11,6 +11,7 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 07  sharded tensors    DTensor redistribute               dtensor_redistribute
     notebook 08  checkpoints        torch.distributed.checkpoint       fsdp2_with_adamw, dcp_save, dcp_load
     notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_block
+    notebook 11  pipeline schedules torch.distributed.pipelining       pipeline_schedule_pieces, pipeline_step_pieces
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
 """
@@ -119,6 +120,42 @@ def pipeline_step(module, schedule, batch):
     target = torch.zeros(len(batch)) if module.is_last else None  # the loss ignores it
     schedule.step(target=target, losses=losses)
     return sum(loss.detach() for loss in losses) / len(losses) if module.is_last else None
+
+
+def pipeline_schedule_pieces(rank, world_size, schedule_name, num_virtual, hidden_dim, num_layers, num_micro_batches,
+                             seed=0, dtype=torch.float64):
+    """(this rank's pieces, an nn.ModuleList; PyTorch's schedule) for the schedules with several pieces per rank:
+    "interleaved-1f1b" (ScheduleInterleaved1F1B) and "interleaved-zb" (ScheduleInterleavedZeroBubble) on
+    pieces rank, rank + p, ...; "zbv" (ScheduleZBVZeroBubble, 2 pieces) on pieces rank and 2p - 1 - rank."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    from utils import pipeline as pp
+
+    schedules = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+                 "zbv": ScheduleZBVZeroBubble}
+    if schedule_name not in schedules:
+        raise ValueError(f"schedule must be one of {list(schedules)}, got {schedule_name!r}")
+    n = world_size * num_virtual
+    pieces = ([rank, n - 1 - rank] if schedule_name == "zbv"
+              else [rank + k * world_size for k in range(num_virtual)])
+    modules = torch.nn.ModuleList(pp.Stage(i, n, hidden_dim, num_layers, seed, dtype) for i in pieces)
+    stages = [PipelineStage(module, i, n, torch.device("cpu")) for module, i in zip(modules, pieces)]
+    return modules, schedules[schedule_name](stages, num_micro_batches,
+                                             loss_fn=lambda output, target: loss_fn(output), scale_grads=True)
+
+
+def pipeline_step_pieces(modules, schedule, batch):
+    """One step of a schedule with several pieces per rank; the batch's loss where the last piece is, else None."""
+    first, last = any(m.is_first for m in modules), any(m.is_last for m in modules)
+    losses = []
+    target = torch.zeros(len(batch))  # the loss ignores it
+    schedule.step(*([batch] if first else []), target=target, losses=losses)
+    return sum(loss.detach() for loss in losses) / len(losses) if last else None
 
 
 def train_pipeline(rank, world_size, schedule_name, *, hidden_dim, num_layers, batch_size, num_steps,

@@ -13,6 +13,16 @@ the naive schedule, GPipe and 1F1B.
   each stage sends and receives, how many micro-batches' activations it held at once, and, for 1F1B,
   that every send was an `isend` still in flight while the stage went on computing.
 
+Notebook 12 (schedules past 1F1B):
+
+- `check_backward_split`: B (the input's gradient) and W (the weights'), in this process, on the
+  first, a middle and the last piece: B then W equal one full backward bit for bit, B alone leaves
+  `.grad` untouched, W deferred over several micro-batches still equals the full backwards.
+- `check_interleaved_step`, `check_zb_h1_step`: train with the student's schedule on WORLD_SIZE ranks
+  and on 2, and compare with the single-process run; each rank's recorded order of computations
+  against the schedule's table (`pp.interleaved_order`, `pp.zb_h1_order`), its messages against the
+  count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once.
+
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
 """
@@ -417,15 +427,15 @@ def _check_alive(where, peak):
                              f"({why})")
 
 
-def _check_sends_in_flight(where, record):
-    """1F1B: each send is an isend, still in flight when the stage's next computation starts, waited for
-    before the step returns; each gradient's irecv is waited for before the backward that uses it."""
+def _check_isends(where, record, schedule="1F1B"):
+    """Each send is an isend, still in flight when the stage's next computation starts, waited for before
+    the step returns."""
     starts = sorted(e.start for e in record.events)
     for call in (c for c in record.calls if c.name in SENDS):
         if call.blocking:
             raise AssertionError(f"{where}: sent with dist.send, which returns only once the neighbour has taken "
-                                 f"the message: 1F1B needs dist.isend, its handle kept and waited for at the end of "
-                                 f"the step")
+                                 f"the message: {schedule} needs dist.isend, its handle kept and waited for at "
+                                 f"the end of the step")
         if call.waited_at is None:
             raise AssertionError(f"{where}: an isend's handle was never waited for: wait for every send before the "
                                  f"step returns (its tensor must stay intact until it is sent)")
@@ -434,6 +444,12 @@ def _check_sends_in_flight(where, record):
             raise AssertionError(f"{where}: an isend was waited for before the stage's next forward or backward "
                                  f"started: that is a blocking send again; keep the handle and wait for it at the "
                                  f"end of the step")
+
+
+def _check_sends_in_flight(where, record):
+    """1F1B: each send is an isend, still in flight when the stage's next computation starts, waited for
+    before the step returns; each gradient's irecv is waited for before the backward that uses it."""
+    _check_isends(where, record)
     backwards = sorted((e for e in record.events if e.kind == "B"), key=lambda e: e.micro_batch)
     posted = [c for c in record.calls if c.name == "irecv"]
     if any(c.waited_at is None for c in posted):
@@ -520,3 +536,344 @@ def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers,
                            num_micro_batches, seed=0, timeout=CHECK_TIMEOUT):
     check_schedule("1f1b", one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
                    num_micro_batches, seed, timeout)
+
+
+# ---------------------------------------------------------------- notebook 12: the backward in two halves
+
+SPLIT_PIECES = 3  # check_backward_split cuts the model into 3 pieces: the first, a middle and the last
+
+
+def _piece_inputs(piece, micro_batches, reference_inputs):
+    """Each micro-batch's input of `piece`: the data on the first piece, a leaf that requires grad elsewhere."""
+    lo = piece.layer_indices[0]
+    if piece.is_first:
+        return list(micro_batches)
+    return [a[lo].clone().requires_grad_() for a in reference_inputs]
+
+
+def _upstream(piece, y, seed, i):
+    """The gradient of a micro-batch's output that the next piece would send (None on the last: y is the loss)."""
+    return None if piece.is_last else seeded_randn(tuple(y.shape), seed + 7, i)
+
+
+def _split_reference(piece_index, sizes, m):
+    """Full backwards of m micro-batches on a fresh piece: each input's gradient, and the weights' .grad."""
+    hidden_dim, num_layers, batch_size, seed = sizes
+    piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
+    batch = make_batch(batch_size, hidden_dim, seed)
+    inputs = [_reference_activations(hidden_dim, num_layers, mb, seed) for mb in batch.chunk(m)]
+    xs = _piece_inputs(piece, batch.chunk(m), inputs)
+    input_grads = []
+    for i, x in enumerate(xs):
+        y = piece(x)
+        y = loss_fn(y) / m if piece.is_last else y
+        y.backward(_upstream(piece, y, seed, i))
+        input_grads.append(None if piece.is_first else x.grad)
+    return inputs, input_grads, [p.grad for p in piece.parameters()]
+
+
+def _reference_activations(hidden_dim, num_layers, micro_batch, seed):
+    mlp, activations = build_mlp(hidden_dim, num_layers, seed), [micro_batch]
+    with torch.no_grad():
+        for layer in mlp.layers:
+            activations.append(layer(activations[-1]))
+    return activations
+
+
+def _same(got, want):
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+
+
+def _run_w(where, backward_weight, piece, y, grad):
+    try:
+        backward_weight(piece, y, grad)
+    except RuntimeError as e:
+        if "second time" in str(e) or "already been freed" in str(e):
+            raise AssertionError(f"{where}: W failed: the graph was freed by B. B must keep it for W "
+                                 f"(retain_graph=True): W walks the same graph to the weights") from None
+        raise
+
+
+def _expect_weights(where, piece, want, names, m, one=None):
+    for p, w, name in zip(piece.parameters(), want, names):
+        if p.grad is None:
+            raise AssertionError(f"{where}: after W, {name}.grad is None: W must accumulate the weights' gradients "
+                                 f"into .grad (torch.autograd.grad returns them and stores nothing)")
+        if _same(p.grad, w):
+            continue
+        if max_abs_diff(p.grad, 2 * w) <= TOLERANCE:
+            raise AssertionError(f"{where}: after B then W, {name}.grad is twice the full backward's: the weights' "
+                                 f"gradients were accumulated twice (by B and by W, or W ran twice); B computes "
+                                 f"only the input's gradient")
+        if one is not None and m > 1 and max_abs_diff(p.grad, one[name]) <= TOLERANCE:
+            raise AssertionError(f"{where}: after W of {m} micro-batches, {name}.grad holds only the last one's: W "
+                                 f"overwrote .grad; it must add to it (.grad accumulates over micro-batches)")
+        raise AssertionError(f"{where}: after W, {name}.grad differs from the full backward's by "
+                             f"{max_abs_diff(p.grad, w):.3g} (bit for bit expected: W walks the same graph)")
+
+
+def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
+    hidden_dim, num_layers, batch_size, seed = sizes
+    names = parameter_names(num_layers)
+    piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
+    names = [names[i] for i in piece.layer_indices]
+    kind = "first" if piece.is_first else "last" if piece.is_last else "middle"
+    batch = make_batch(batch_size, hidden_dim, seed)
+    inputs, want_dx, want_grads = _split_reference(piece_index, sizes, m)
+    xs = _piece_inputs(piece, batch.chunk(m), inputs)
+    ys = []
+    with pp.record_step(piece, split=True) as record:
+        for x in xs:
+            y = piece(x)
+            ys.append(loss_fn(y) / m if piece.is_last else y)
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            where = f"backward_input on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
+            dx = backward_input(x, y, _upstream(piece, y, seed, i))
+            touched = [n for p, n in zip(piece.parameters(), names) if p.grad is not None]
+            if touched:
+                raise AssertionError(f"{where}: B left {touched[0]}.grad set: B alone must leave the weights' .grad "
+                                     f"untouched (ask autograd for the input's gradient only: inputs=, or "
+                                     f"torch.autograd.grad); W accumulates them later")
+            if piece.is_first:
+                if dx is not None:
+                    raise AssertionError(f"{where}: returned a tensor; the first piece's input is the data, which "
+                                         f"needs no gradient: return None")
+                continue
+            if not _same(dx, want_dx[i]):
+                what = f"a {type(dx).__name__}" if not isinstance(dx, torch.Tensor) else (
+                    "the gradient it was given, not the input's" if _same(dx, _upstream(piece, y, seed, i)) else
+                    f"off by {max_abs_diff(dx, want_dx[i]):.3g}" if dx.shape == want_dx[i].shape else
+                    f"of shape {tuple(dx.shape)}")
+                raise AssertionError(f"{where}: returned {what}; expected the gradient of the piece's input, equal "
+                                     f"bit for bit to the full backward's x.grad")
+        one = None
+        for i, y in enumerate(ys):
+            where = f"backward_weight on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
+            _run_w(where, backward_weight, piece, y, _upstream(piece, y, seed, i))
+            if i == len(ys) - 2:  # what the weights would hold if W overwrote: the last micro-batch alone
+                one = _last_alone(piece_index, sizes, m, names)
+    where = (f"B then W on the {kind} piece (layers {list(piece.layer_indices)}), W deferred until the B's of all "
+             f"{m} micro-batches")
+    _expect_weights(where, piece, want_grads, names, m, one)
+    kinds = "".join(e.kind for e in sorted(record.events, key=lambda e: e.start) if e.kind != "F")
+    want = "W" * m if piece.is_first else "B" * m + "W" * m
+    if kinds != want:
+        raise AssertionError(f"{where}: the backward calls, as autograd saw them, were {' '.join(kinds)}; expected "
+                             f"{' '.join(want)}: W must compute only the weights' gradients (inputs= the "
+                             f"parameters), not the input's again")
+
+
+def _last_alone(piece_index, sizes, m, names):
+    """The weights' gradients of the last micro-batch alone (what an overwriting W leaves)."""
+    hidden_dim, num_layers, batch_size, seed = sizes
+    piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
+    batch = make_batch(batch_size, hidden_dim, seed)
+    inputs = [_reference_activations(hidden_dim, num_layers, mb, seed) for mb in batch.chunk(m)]
+    x = _piece_inputs(piece, batch.chunk(m), inputs)[-1]
+    y = piece(x)
+    y = loss_fn(y) / m if piece.is_last else y
+    y.backward(_upstream(piece, y, seed, m - 1))
+    return dict(zip(names, (p.grad for p in piece.parameters())))
+
+
+def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers, batch_size, num_micro_batches,
+                         seed=0):
+    """B and W on the first, a middle and the last of 3 pieces, one micro-batch and then num_micro_batches with
+    every W deferred after every B: against full backwards, bit for bit (in this process: no ranks)."""
+    pp.check_sizes(num_layers, SPLIT_PIECES, batch_size, num_micro_batches)
+    sizes = (hidden_dim, num_layers, batch_size, seed)
+    counts = sorted({1, num_micro_batches})
+    for m, piece_index in itertools.product(counts, range(SPLIT_PIECES)):
+        _check_split_piece(backward_input, backward_weight, piece_index, sizes, m)
+    print(f"backward_input (B) and backward_weight (W): correct on the first, a middle and the last of "
+          f"{SPLIT_PIECES} pieces, micro-batches {counts}")
+    print("  B alone leaves every .grad untouched; B then W equals one full backward bit for bit (the input's "
+          "gradient and the weights'), with W deferred until after every micro-batch's B too")
+
+
+# ---------------------------------------------------------------- notebook 12: interleaved 1F1B and ZB-H1
+
+PAST_1F1B = {  # kind: (what the student wrote, the table, pieces per rank, B and W recorded apart)
+    "interleaved": ("interleaved_step", "pp.interleaved_order", True, False),
+    "zb-h1": ("zb_h1_step", "pp.zb_h1_order", False, True),
+}
+
+
+def schedule_table(kind, rank, world_size, num_virtual, m):
+    """The table of `kind` on `rank`, as (kind, chunk, micro-batch); the first stage has no B when the backward
+    is split (its input is the data: there is no input gradient to compute)."""
+    if kind == "interleaved":
+        return pp.interleaved_order(rank, world_size, num_virtual, m)
+    return [(k, 0, i) for k, i in pp.zb_h1_order(rank, world_size, m) if not (k == "B" and rank == 0)]
+
+
+def hand_offs_per_step(rank, world_size, num_virtual, m):
+    """Messages a rank sends in one step: m activations from each of its pieces but the model's last, m
+    gradients from each but the first. Over all ranks: 2 m (p v - 1)."""
+    pieces = [rank + k * world_size for k in range(num_virtual)]
+    last = world_size * num_virtual - 1
+    return m * (sum(p != last for p in pieces) + sum(p != 0 for p in pieces))
+
+
+def _check_peers(where, world_size):
+    """An intercept `before` that refuses a peer outside 0..p-1."""
+    def before(call, arguments):
+        if call.name not in SENDS + RECEIVES:
+            return
+        peer = arguments.get("dst" if call.name in SENDS else "src")
+        if not 0 <= peer < world_size:
+            raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: the piece after "
+                                 f"the last rank's is on rank 0, and the one before rank 0's on rank {world_size - 1} "
+                                 f"((rank ± 1) % p)")
+    return before
+
+
+def _check_order(where, record, table):
+    got = [(e.kind, e.piece, e.micro_batch) for e in sorted(record.events, key=lambda e: e.start)]
+    if got == table:
+        return
+    k = next((k for k, (a, b) in enumerate(zip(got, table)) if a != b), min(len(got), len(table)))
+    show = lambda actions: " ".join(f"{a}{i}" + (f"/chunk{c}" if where.pieces else "") for a, c, i in actions)
+    ran = got[k] if k < len(got) else "nothing"
+    hint = ""
+    twice = sorted({a for a in got if a[0] == "W" and got.count(a) > 1})
+    if twice:
+        hint = (f": W of micro-batch {twice[0][2]} ran twice, so its weights' gradients were accumulated twice "
+                f"(on the first stage, where B has nothing to compute, a full backward in B is a W)")
+    elif where.kind == "zb-h1" and k < len(got) and got[k][0] == "W" and k < len(table) and table[k][0] != "W":
+        hint = ": a W ran early; ZB-H1 runs it where the table puts it (into the cool-down's bubble)"
+    elif where.kind == "zb-h1" and k < len(table) and table[k][0] == "W":
+        hint = ": the W that the table puts here did not run (W deferred too long keeps activations alive)"
+    elif where.kind == "interleaved" and k < len(got) and k < len(table) and got[k][0] == table[k][0] == "B":
+        hint = (": the backward ran on the wrong piece or micro-batch: keep each forward's tensors by (chunk, "
+                "micro-batch) and take the ones the table names")
+    raise AssertionError(f"{where}: the computations ran in another order than the table ({PAST_1F1B[where.kind][1]}) "
+                         f"from position {k}: ran {ran}, the table says {table[k] if k < len(table) else 'nothing'}"
+                         f"{hint}\n  ran:   {show(got)}\n  table: {show(table)}")
+
+
+@dataclasses.dataclass
+class WherePieces:
+    label: str
+    kind: str
+    rank: int
+    world_size: int
+    num_virtual: int
+    m: int
+    pieces: bool
+
+    @property
+    def stage(self):  # what the 04 checks call it: the last rank holds the loss
+        return self.rank
+
+    @property
+    def num_stages(self):
+        return self.world_size
+
+    def __str__(self):
+        pieces = f", {self.num_virtual} pieces each" if self.pieces else ""
+        return (f"{self.label} on rank {self.rank} of {self.world_size}{pieces}, {self.m} micro-batch"
+                f"{'es' * (self.m > 1)}")
+
+
+def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes):
+    label, _, pieces, split = PAST_1F1B[kind]
+    runs = {}
+    for m in counts:
+        where = WherePieces(label, kind, rank, world_size, num_virtual, m, pieces)
+
+        def after_step(record):
+            _check_order(where, record, schedule_table(kind, rank, world_size, num_virtual, m))
+            sends = [c for c in record.calls if c.name in SENDS]
+            want = hand_offs_per_step(rank, world_size, num_virtual if pieces else 1, m)
+            if len(sends) != want:
+                raise AssertionError(f"{where}: sent {len(sends)} message(s) in one step; expected {want}: m "
+                                     f"activations from each piece but the model's last, m gradients from each but "
+                                     f"the first")
+            _check_isends(where, record, "this schedule")
+
+        def watched(stage, batch, m):
+            with intercept(before=_check_peers(where, world_size)):
+                return schedule(stage, batch, m)
+
+        run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
+                                num_virtual=num_virtual if pieces else None, split=split, **sizes)
+        runs[m] = run
+    return runs
+
+
+def _check_pieces_run(where, run, reference, sizes):
+    grads, weights, losses = reference
+    p, v = where.world_size, (where.num_virtual if where.pieces else 1)
+    split = pp.stage_layers(sizes["num_layers"], p * v)
+    layers = [i for k in range(v) for i in split[where.rank + k * p]]
+    doubled = any(g is not None and max_abs_diff(g, 2 * grads[i]) <= TOLERANCE for g, i in zip(run.grads, layers))
+    if where.kind == "zb-h1" and where.m == 1 and doubled:
+        raise AssertionError(f"{where}: with one micro-batch, the weights' gradients are twice the full batch's: they "
+                             f"were accumulated twice; B (backward_input) must leave .grad alone, W adds them once")
+    names = parameter_names(sizes["num_layers"])
+    _check_gradients(where, run.grads, [grads[i] for i in layers], [names[i] for i in layers])
+    _check_losses(where, run.losses, losses)
+    for i, got in zip(layers, run.weights):
+        diff = max_abs_diff(got, weights[i])
+        if diff > TOLERANCE:
+            raise AssertionError(f"{where}: at the end, {names[i]} differs from the single-process run's by {diff:.3g}")
+    if where.kind == "zb-h1":
+        want = min(p, where.m)
+        if run.peak_alive > want:
+            raise AssertionError(f"{where}: held the activations of {run.peak_alive} micro-batches at once; ZB-H1 "
+                                 f"holds at most {want} (1F1B's peak, on its first stage): W frees a micro-batch, "
+                                 f"run it where the table puts it")
+
+
+def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches,
+                    num_virtual=2, seed=0, timeout=CHECK_TIMEOUT):
+    """Train with `schedule` on WORLD_SIZE ranks and on 2 with SGD; compare (see the module's doc)."""
+    if kind not in PAST_1F1B:
+        raise ValueError(f"kind must be one of {list(PAST_1F1B)}, got {kind!r}")
+    label, _, pieces, _ = PAST_1F1B[kind]
+    v = num_virtual if pieces else 1
+    pp.check_virtual_sizes(num_layers, world_size, v, batch_size, num_micro_batches, groups=pieces)
+    worlds = runnable_world_sizes(sorted({world_size, 2}, reverse=True))
+    counts = {n: [m for m in sorted({n, num_micro_batches, 2 * n}) if m % n == 0 and batch_size % m == 0]
+              if pieces else sorted({1, 2, num_micro_batches}) for n in worlds}
+    sizes = dict(hidden_dim=hidden_dim, num_layers=num_layers, batch_size=batch_size, num_steps=num_steps, seed=seed)
+    reference = (reference_gradients(hidden_dim, num_layers, batch_size, seed),
+                 *train_reference(hidden_dim, num_layers, batch_size, num_steps, "sgd", seed=seed))
+    peaks, sent = {}, {}
+    for n in worlds:
+        try:
+            runs = _spawn(_past_1f1b_main, n, schedule, kind, v, counts[n], sizes, timeout=timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{label} on {n} ranks: a rank waited for ever. A blocking dist.send returns only "
+                               f"once the receiver takes the message, and the receiver may be waiting for this rank: "
+                               f"send with dist.isend (keep the handles, wait at the end of the step); and check that "
+                               f"every message the table implies is sent and received.\n{e}") from None
+        for m, rank in itertools.product(counts[n], range(n)):
+            _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), runs[rank][m], reference, sizes)
+        peaks[n] = {m: [runs[r][m].peak_alive for r in range(n)] for m in counts[n]}
+        sent[n] = {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts[n]}
+    n = worlds[0]
+    print(f"{label}: correct on {' and '.join(map(str, worlds))} ranks" + (f", {v} pieces each" if pieces else "")
+          + ", micro-batches " + "; ".join(f"{counts[w]} on {w}" for w in worlds))
+    print(f"  step 0's gradients, the losses and the weights after {num_steps} SGD steps equal the single-process "
+          f"run's to {TOLERANCE:g}")
+    print(f"  each rank ran its table ({PAST_1F1B[kind][1]}) in order, every send an isend still in flight")
+    if pieces:
+        print(f"  messages per step on {n} ranks (counted): " + ", ".join(
+            f"m={m}: {sent[n][m]} = 2 m (p v - 1), against 1F1B's 2 m (p - 1) = {2 * m * (n - 1)}" for m in counts[n]))
+    else:
+        print(f"  micro-batches alive at once on each of {n} ranks (counted): "
+              + ", ".join(f"m={m}: {peaks[n][m]}" for m in counts[n]) + "; 1F1B's peak: min(p, m)")
+
+
+def check_interleaved_step(interleaved_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                           num_micro_batches, num_virtual, seed=0, timeout=CHECK_TIMEOUT):
+    check_past_1f1b("interleaved", interleaved_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                    num_micro_batches, num_virtual, seed, timeout)
+
+
+def check_zb_h1_step(zb_h1_step, world_size, hidden_dim, num_layers, batch_size, num_steps, num_micro_batches,
+                     seed=0, timeout=CHECK_TIMEOUT):
+    check_past_1f1b("zb-h1", zb_h1_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
+                    num_micro_batches, 1, seed, timeout)
