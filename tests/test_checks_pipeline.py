@@ -265,9 +265,9 @@ def test_a_wrong_stage_split_fails(monkeypatch):
         check("naive", solution(NOTEBOOK))
 
 
-# ---------------------------------------------------------------- notebook 12: schedules past 1F1B
+# ---------------------------------------------------------------- notebook 11: schedules past 1F1B
 
-SCHEDULES_NOTEBOOK = "12_pipeline_schedules"
+SCHEDULES_NOTEBOOK = "11_pipeline_schedules"
 NUM_VIRTUAL = 2
 
 

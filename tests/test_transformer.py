@@ -1,5 +1,5 @@
-"""utils.transformer: the course's transformer (notebooks 09-11) against PyTorch's own pieces, its weights and data
-from the seed alone, and RoPE on global positions (what context parallelism relies on)."""
+"""utils.transformer: the course's transformer (notebooks 09, 10 and 12) against PyTorch's own pieces, its weights
+and data from the seed alone, and RoPE on global positions (what context parallelism relies on)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,7 @@ the plots need to know about a step is recorded from outside the stage, by whoev
 
 `train_pipeline` runs a schedule for several steps with an optimizer and returns a `PipelineRun`.
 
-Past 1F1B (notebook 12): a rank may hold `v` pieces of the model (`build_pieces`: the model cut into
+Past 1F1B (notebook 11): a rank may hold `v` pieces of the model (`build_pieces`: the model cut into
 p*v pieces, rank r holding pieces r, r+p, ...), each a `Stage` of p*v; the schedule then gets them as
 an `nn.ModuleList` and `record_step` records each piece's events (`Event.piece`). A backward may be split
 into B (the input's gradient) and W (the weights'): `record_step(..., split=True)` labels a backward call
@@ -411,7 +411,7 @@ def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_
     return timelines
 
 
-# ---------------------------------------------------------------- schedules as tables (notebook 12)
+# ---------------------------------------------------------------- schedules as tables (notebook 11)
 
 def gpipe_order(stage, num_stages, num_micro_batches):
     """GPipe on `stage`: (kind, micro-batch) of every forward, then of every backward."""

@@ -1,4 +1,4 @@
-"""The course's transformer (notebooks 09-11): a small decoder-only language model, written out.
+"""The course's transformer (notebooks 09, 10 and 12): a small decoder-only language model, written out.
 
     tokens -> tok_embeddings -> num_layers x Block -> norm -> output -> logits
     Block:  h = x + attention(attention_norm(x), positions)     causal multi-head self-attention, RoPE
@@ -189,7 +189,7 @@ def init_weights(model, seed=0):
 
 
 def build_transformer(sizes, seed=0, dtype=torch.float64):
-    """The model notebooks 09-11 train: the same weights in any process, from `seed` alone."""
+    """The model notebooks 09, 10 and 12 train: the same weights in any process, from `seed` alone."""
     if not isinstance(sizes, TransformerSizes):
         raise TypeError(f"sizes must be a TransformerSizes, got {type(sizes).__name__}")
     with torch.device("meta"):  # no default init: it would draw from (and advance) the global RNG

@@ -13,7 +13,7 @@ the naive schedule, GPipe and 1F1B.
   each stage sends and receives, how many micro-batches' activations it held at once, and, for 1F1B,
   that every send was an `isend` still in flight while the stage went on computing.
 
-Notebook 12 (schedules past 1F1B):
+Notebook 11 (schedules past 1F1B):
 
 - `check_backward_split`: B (the input's gradient) and W (the weights'), in this process, on the
   first, a middle and the last piece: B then W equal one full backward bit for bit, B alone leaves
@@ -538,7 +538,7 @@ def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers,
                    num_micro_batches, seed, timeout)
 
 
-# ---------------------------------------------------------------- notebook 12: the backward in two halves
+# ---------------------------------------------------------------- notebook 11: the backward in two halves
 
 SPLIT_PIECES = 3  # check_backward_split cuts the model into 3 pieces: the first, a middle and the last
 
@@ -691,7 +691,7 @@ def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers
           "gradient and the weights'), with W deferred until after every micro-batch's B too")
 
 
-# ---------------------------------------------------------------- notebook 12: interleaved 1F1B and ZB-H1
+# ---------------------------------------------------------------- notebook 11: interleaved 1F1B and ZB-H1
 
 PAST_1F1B = {  # kind: (what the student wrote, the table, pieces per rank, B and W recorded apart)
     "interleaved": ("interleaved_step", "pp.interleaved_order", True, False),
