@@ -74,6 +74,9 @@ def _all_to_all_error_hint(e):
     if "invalid gradient" in text:
         return ("backward returned a gradient with the shape of the output, not of x: each row's gradient must go "
                 "back to the rank the row came from, a reverse all-to-all")
+    if "ProcessGroupGloo::alltoall: invalid tensor size" in text:
+        return ("gloo's dist.all_to_all (lists of tensors) takes tensors of one size only: with uneven splits use "
+                "dist.all_to_all_single with its split sizes")
     if "Split sizes" in text or "split" in text.lower() and "size" in text.lower():
         return (("backward used the forward's splits: the gradient travels the other way, so the reverse all-to-all "
                  "receives input_splits and sends output_splits") if backward else
@@ -222,6 +225,14 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
             + (f", capacity {capacity}" if capacity is not None else "") + (", some experts get no token" if skewed
                                                                              else ""))
     x, kept1, index1 = want["x"], want["kept1"], want["index1"]
+    if capacity is not None:  # which pairs were dropped, before what they did to the output
+        got_kept = torch.cat([r["other"] for r in results])
+        if got_kept.shape != want["kept"].shape or not torch.equal(got_kept.bool(), want["kept"]):
+            hint = next((h for kept, h in _kept_mistakes(want["index"], num_experts, capacity, world_size)
+                         if got_kept.shape == kept.shape and torch.equal(got_kept.bool(), kept)), None)
+            raise AssertionError(f"{case}: {int((~got_kept.bool()).sum())} pairs dropped, the reference drops "
+                                 f"{int((~want['kept']).sum())}" + (f": {hint}" if hint else
+                                 ": not the same pairs (`kept` must be the (tokens, top_k) mask of the pairs kept)"))
     # the round trip: identity experts, top-1 (weight exactly 1): each kept token comes back as it went
     got = torch.cat([r["identity"] for r in results])
     round_trip = x * kept1.any(-1, keepdim=True)
@@ -233,7 +244,8 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
         rows = _rows(got, round_trip) if got.shape == x.shape else "all"
         raise AssertionError(f"{case}: with identity experts and top-1 routing, tokens at rows {rows} (of all ranks' "
                              f"tokens) do not come back as they went: each result must return to the token it was "
-                             f"sent for, at its position (the un-permute is the inverse of the permute), once")
+                             f"sent for, at its position (the un-permute is the inverse of the permute), once; and the "
+                             f"rows a rank receives are laid out by source rank, then by its local expert")
     # scaled experts: each token must come back multiplied by its own expert's factor
     got = torch.cat([r["scaled"] for r in results])
     want_scaled = x * (index1[:, :1] + 1) * kept1
@@ -262,13 +274,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                 raise AssertionError(f"{case}: the output differs from the single-process layer: {hint}")
         raise AssertionError(f"{case}: the output differs from the single-process layer at tokens "
                              f"{_rows(got, want['y'])}, by up to {max_abs_diff(got, want['y']):.3g}")
-    if capacity is not None:
-        got_kept = torch.cat([r["other"] for r in results])
-        if got_kept.shape != want["kept"].shape or not torch.equal(got_kept.bool(), want["kept"]):
-            raise AssertionError(f"{case}: the output is right but the `kept` returned is not the (tokens, top_k) "
-                                 f"mask of the pairs kept: {int((~got_kept.bool()).sum())} dropped, the reference "
-                                 f"drops {int((~want['kept']).sum())}")
-    else:
+    if capacity is None:
         counts = ep.tokens_per_expert(want["index"], num_experts)
         got_counts = torch.cat([r["other"] for r in results])
         if not torch.equal(got_counts, counts):
@@ -305,7 +311,11 @@ def _check_all(name, fn, world_size, world_sizes, capacity_factor, counts_hint):
                 try:
                     results = _run(_dispatch_main, n, fn, num_experts, top_k, capacity, skewed)
                 except RankError as e:
-                    if "expects" in str(e) and "rows from rank" in str(e):
+                    if capacity is not None and "out of bounds" in str(e):
+                        raise AssertionError(f"{name}, {n} ranks, capacity {capacity}: {e.summary}: a pair was put "
+                                             f"beyond the (E x capacity) buffer: keep only the pairs whose place in "
+                                             f"their expert's queue is below capacity") from None
+                    if "rows from rank" in str(e) or "but the tensor sent has" in str(e):  # ep.agree_on_splits
                         raise AssertionError(f"{name}, {n} ranks: {e.summary}. {counts_hint}") from None
                     raise
                 want = _reference(n, num_experts, top_k, capacity, skewed)
@@ -329,7 +339,9 @@ def check_dropless_dispatch(dropless_dispatch, world_size, world_sizes=WORLD_SIZ
     (and ranks) that get no token."""
     sizes, _ = _check_all("dropless_dispatch", dropless_dispatch, world_size, world_sizes, None,
                           "A rank cannot know how many rows the others send it until they tell it: exchange the "
-                          "counts per expert first (an all-to-all of the counts), then size the receive with them")
+                          "counts per expert first (an all-to-all of the counts), then size the receive with them; "
+                          "input_splits[r] adds up the counts of rank r's E/N consecutive experts, output_splits[s] "
+                          "the counts received from rank s; the results go back with the splits swapped")
     print(f"dropless_dispatch: every token comes back exactly once, to its position; output, rows per expert and the "
           f"gradients of x, the router and every expert equal one process (1e-12) on {', '.join(map(str, sizes))} "
           f"ranks, 1 and 2 experts per rank, and with experts that get no token")
