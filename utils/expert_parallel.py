@@ -157,3 +157,28 @@ def agree_on_splits(output_splits, input_splits, num_rows):
             if expects != sends:
                 raise ValueError(f"rank {r} expects {expects} rows from rank {s}, which sends it {sends}: "
                                  f"output_splits[{s}] on rank {r} must equal input_splits[{r}] on rank {s}")
+
+
+def load_per_rank(counts, world_size):
+    """Pairs each rank's experts receive, from the pairs per expert (rank r holds a contiguous range of experts)."""
+    return counts.view(world_size, -1).sum(1)
+
+
+def token_bytes(fn):
+    """Run fn(); return (bytes handed to all_to_all_single in floating-point tensors, the part of them that leaves
+    this rank): the tokens and their gradients, not the integer counts."""
+    from utils.intercept import intercept
+    rank, moved = dist.get_rank(), [0, 0]
+
+    def before(call, arguments):
+        x = arguments["input"]
+        if call.name != "all_to_all_single" or not x.is_floating_point() or not len(x):
+            return
+        row = x[0].numel() * x.element_size()
+        splits = arguments.get("input_split_sizes") or [len(x) // dist.get_world_size()] * dist.get_world_size()
+        moved[0] += len(x) * row
+        moved[1] += (len(x) - splits[rank]) * row
+
+    with intercept(before=before, names=("all_to_all_single",)):
+        fn()
+    return tuple(moved)
