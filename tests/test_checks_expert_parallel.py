@@ -68,7 +68,8 @@ A2A_MISTAKES = {
         "        dist.all_to_all_single(grad_x, grad_out.contiguous(), ctx.output_splits, ctx.input_splits)\n",
         "backward used the forward's splits"),
     "backward not reversed (gradient returned as it is)": (
-        "        return grad_x, None, None\n", "        return grad_out, None, None\n", "back to the rank the row came"),
+        "        return grad_x, None, None\n", "        return grad_out, None, None\n",
+        "back to the rank the row came"),
     "no gradient for the splits": ("        return grad_x, None, None\n", "        return grad_x\n",
                                    "one gradient per input of forward"),
     "forward's splits swapped": (
@@ -112,7 +113,8 @@ CAPACITY_MISTAKES = {
     "last come first served": (
         "    place = (F.one_hot(flat, num_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # its place in "
         "the queue\n",
-        "    place = (F.one_hot(flat, num_experts).flip(0).cumsum(0).flip(0) - 1).gather(1, flat[:, None]).squeeze(1)\n",
+        "    place = (F.one_hot(flat, num_experts).flip(0).cumsum(0).flip(0) - 1)"
+        ".gather(1, flat[:, None]).squeeze(1)\n",
         "first come, first served"),
     "choice by choice priority": (
         "    flat = index.flatten()\n    place = ",
@@ -122,7 +124,8 @@ CAPACITY_MISTAKES = {
     "router gradient lost": (Y_CAP, Y_CAP.replace("weights.flatten()", "weights.detach().flatten()"),
                              "router has no gradient"),
     "renormalised after the drop": (
-        Y_CAP, "    w = weights * kept.view(index.shape)\n    w = (w / w.sum(-1, keepdim=True).clamp_min(1e-300)).flatten()\n"
+        Y_CAP, "    w = weights * kept.view(index.shape)\n"
+               "    w = (w / w.sum(-1, keepdim=True).clamp_min(1e-300)).flatten()\n"
                + Y_CAP.replace("weights.flatten()", "w"), "renormalised after the drop"),
     "weights not applied": (Y_CAP, Y_CAP.replace("weights.flatten()[kept, None] * ", ""),
                             "combine weights were not applied"),
@@ -154,7 +157,8 @@ Y_DROP = "    y = torch.zeros_like(x).index_add(0, tokens[order], weights.flatte
 DROPLESS_MISTAKES = {
     "counts not exchanged": ("    dist.all_to_all_single(received_counts, counts)\n",
                              "    received_counts = counts.clone()\n", "exchange the counts per expert first"),
-    "un-permute with the wrong inverse": (Y_DROP, Y_DROP.replace("tokens[order]", "tokens"), "un-permute is the inverse"),
+    "un-permute with the wrong inverse": (Y_DROP, Y_DROP.replace("tokens[order]", "tokens"),
+                                          "un-permute is the inverse"),
     "router gradient lost": (Y_DROP, Y_DROP.replace("weights.flatten()", "weights.detach().flatten()"),
                              "router has no gradient"),
     "results sent back with the forward's splits": (
