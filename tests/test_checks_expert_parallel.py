@@ -6,6 +6,7 @@ import torch
 
 from utils import expert_parallel as ep
 from utils.checks.expert_parallel import check_all_to_all, check_capacity_dispatch, check_dropless_dispatch
+from utils.launch import spawn
 from utils.notebooks import solution
 from utils.transformer import TransformerSizes
 
@@ -54,10 +55,10 @@ def test_the_reference_layer_without_capacity_is_the_plain_sum():
     assert torch.equal(part.experts["3"].w1.weight, moe.experts["3"].w1.weight)
 
 
-def test_splits_the_ranks_disagree_on_are_named():
-    with pytest.raises(Exception, match="rank 0 expects 2 rows from rank 1, which sends it 3"):
-        from utils.launch import spawn
-        spawn(SOLUTION.disagreeing_splits_main, 2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_splits_the_ranks_disagree_on_are_named_on_every_rank(world_size):
+    for rank, message in enumerate(spawn(SOLUTION.disagreeing_splits_main, world_size)):
+        assert message.startswith(f"rank {rank}: ValueError: rank 0 expects 2 rows from rank 1, which sends it 3")
 
 
 # ---------------------------------------------------------------- the all-to-all
