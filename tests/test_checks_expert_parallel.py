@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from utils import expert_parallel as ep
-from utils.checks.expert_parallel import check_all_to_all, check_capacity_dispatch, check_dropless_dispatch
+from utils.checks.expert_parallel import (
+    check_all_to_all,
+    check_capacity_dispatch,
+    check_dropless_dispatch,
+    check_expert_data_parallel,
+)
 from utils.launch import spawn
 from utils.notebooks import solution
 from utils.transformer import TransformerSizes
@@ -24,7 +29,9 @@ def test_the_solution_passes(capsys):
     check_all_to_all(SOLUTION.all_to_all, 4)
     check_capacity_dispatch(SOLUTION.capacity_dispatch, 4)
     check_dropless_dispatch(SOLUTION.dropless_dispatch, 4)
-    assert capsys.readouterr().out.count("on 2, 3, 4 ranks") == 3
+    check_expert_data_parallel(SOLUTION.dropless_dispatch, SOLUTION.sync_gradients, 4)
+    out = capsys.readouterr().out
+    assert out.count("on 2, 3, 4 ranks") == 3 and "1x2, 2x1, 2x2, 1x4" in out
 
 
 @pytest.mark.parametrize("bad, error, message", [
@@ -65,28 +72,28 @@ def test_splits_the_ranks_disagree_on_are_named_on_every_rank(world_size):
 
 A2A_MISTAKES = {
     "backward with the forward's splits": (
-        "        dist.all_to_all_single(grad_x, grad_out.contiguous(), ctx.input_splits, ctx.output_splits)\n",
-        "        dist.all_to_all_single(grad_x, grad_out.contiguous(), ctx.output_splits, ctx.input_splits)\n",
+        "grad_out.contiguous(), ctx.input_splits, ctx.output_splits,",
+        "grad_out.contiguous(), ctx.output_splits, ctx.input_splits,",
         "backward used the forward's splits"),
     "backward not reversed (gradient returned as it is)": (
-        "        return grad_x, None, None\n", "        return grad_out, None, None\n",
+        "        return grad_x, None, None, None\n", "        return grad_out, None, None, None\n",
         "back to the rank the row came"),
-    "no gradient for the splits": ("        return grad_x, None, None\n", "        return grad_x\n",
+    "no gradient for the splits": ("        return grad_x, None, None, None\n", "        return grad_x\n",
                                    "one gradient per input of forward"),
     "forward's splits swapped": (
-        "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits)\n",
-        "        dist.all_to_all_single(out, x.contiguous(), input_splits, output_splits)\n",
+        "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n",
+        "        dist.all_to_all_single(out, x.contiguous(), input_splits, output_splits, group=group)\n",
         "takes \\(output, input, output_split_sizes, input_split_sizes\\)"),
     "forward's output shaped like its input": (
         "        out = x.new_empty((sum(output_splits), *x.shape[1:]))\n", "        out = torch.empty_like(x)\n",
         "sum\\(output_splits\\) rows"),
     "gloo's list all_to_all with uneven sizes": (
-        "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits)\n",
+        "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n",
         "        received = list(out.split(output_splits))\n"
         "        dist.all_to_all(received, list(x.split(input_splits)))\n"
         "        out = torch.cat(received)\n", "one size only"),
-    "backward's gradient zeroed": ("        return grad_x, None, None\n",
-                                   "        return torch.zeros_like(grad_x), None, None\n", "it is zero"),
+    "backward's gradient zeroed": ("        return grad_x, None, None, None\n",
+                                   "        return torch.zeros_like(grad_x), None, None, None\n", "it is zero"),
 }
 
 
@@ -99,8 +106,9 @@ def test_all_to_all_mistakes_are_named(mistake):
 
 def test_all_to_all_written_another_way_passes():
     # backward as the function itself, applied with the splits swapped
-    other = wrong("        return grad_x, None, None\n",
-                  "        return AllToAll.apply(grad_out, ctx.input_splits, ctx.output_splits), None, None\n")
+    other = wrong("        return grad_x, None, None, None\n",
+                  "        back = AllToAll.apply(grad_out, ctx.input_splits, ctx.output_splits, ctx.group)\n"
+                  "        return back, None, None, None\n")
     check_all_to_all(other.all_to_all, 3, world_sizes=(3,))
 
 
@@ -156,15 +164,15 @@ def test_capacity_written_another_way_passes():
 
 Y_DROP = "    y = torch.zeros_like(x).index_add(0, tokens[order], weights.flatten()[order, None] * returned)\n"
 DROPLESS_MISTAKES = {
-    "counts not exchanged": ("    dist.all_to_all_single(received_counts, counts)\n",
+    "counts not exchanged": ("    dist.all_to_all_single(received_counts, counts, group=group)\n",
                              "    received_counts = counts.clone()\n", "exchange the counts per expert first"),
     "un-permute with the wrong inverse": (Y_DROP, Y_DROP.replace("tokens[order]", "tokens"),
                                           "un-permute is the inverse"),
     "router gradient lost": (Y_DROP, Y_DROP.replace("weights.flatten()", "weights.detach().flatten()"),
                              "router has no gradient"),
     "results sent back with the forward's splits": (
-        "    returned = all_to_all(out, input_splits, output_splits)\n",
-        "    returned = all_to_all(out, output_splits, input_splits)\n", "go back with the splits swapped"),
+        "    returned = all_to_all(out, input_splits, output_splits, group)\n",
+        "    returned = all_to_all(out, output_splits, input_splits, group)\n", "go back with the splits swapped"),
     "weights not applied": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None] * ", ""),
                             "combine weights were not applied"),
     "splits summed over the wrong axis": (
@@ -195,3 +203,44 @@ def test_dropless_written_another_way_passes():
     other = wrong(Y_DROP, "    back = torch.empty_like(returned).index_copy(0, order, returned)\n"
                           "    y = torch.zeros_like(x).index_add(0, tokens, weights.flatten()[:, None] * back)\n")
     check_dropless_dispatch(other.dropless_dispatch, 3, world_sizes=(3,))
+
+
+# ---------------------------------------------------------------- experts and data parallel
+
+REDUCE = "        dist.all_reduce(p.grad, group=data_group if name.startswith(\"experts.\") else None)\n"
+DIVIDE = "        p.grad /= world_size\n"
+SYNC_MISTAKES = {
+    "experts averaged over the data group": (
+        DIVIDE, "        p.grad /= dist.get_world_size(data_group) if name.startswith('experts.') else world_size\n",
+        "times too large, the expert-parallel size"),
+    "experts all-reduced over all ranks": (REDUCE, "        dist.all_reduce(p.grad)\n", "other experts' gradients"),
+    "router on the data group only": (REDUCE, "        dist.all_reduce(p.grad, group=data_group)\n",
+                                      "data-parallel group only", 4),  # 2 x 2: at 2 ranks its data group is itself
+    "not divided": (DIVIDE, "", "sum over all ranks"),
+    "never all-reduced": (REDUCE, "", "never all-reduced"),
+}
+
+
+@pytest.mark.parametrize("mistake", SYNC_MISTAKES)
+def test_expert_data_parallel_mistakes_are_named(mistake):
+    old, new, hint, *world_size = SYNC_MISTAKES[mistake]
+    n = world_size[0] if world_size else 2
+    with pytest.raises(AssertionError, match=hint):
+        check_expert_data_parallel(SOLUTION.dropless_dispatch, wrong(old, new).sync_gradients, n, world_sizes=(n,))
+
+
+def test_a_dispatch_on_all_ranks_is_named():
+    # the tokens of a 2 (data) x 1 (expert) mesh sent over both ranks: the group argument ignored
+    other = wrong("    dist.all_to_all_single(received_counts, counts, group=group)\n",
+                  "    dist.all_to_all_single(received_counts, counts)\n")
+    with pytest.raises(AssertionError, match="tokens move within its expert-parallel group"):
+        check_expert_data_parallel(other.dropless_dispatch, SOLUTION.sync_gradients, 2, world_sizes=(2,))
+
+
+def test_expert_data_parallel_written_another_way_passes():
+    # the mean over the data group, then the expert-parallel share: the same number
+    other = wrong(DIVIDE, "        p.grad /= world_size if not name.startswith('experts.') else "
+                          "dist.get_world_size(data_group)\n"
+                          "        p.grad /= 1 if not name.startswith('experts.') else world_size // "
+                          "dist.get_world_size(data_group)\n")
+    check_expert_data_parallel(SOLUTION.dropless_dispatch, other.sync_gradients, 2, world_sizes=(2,))

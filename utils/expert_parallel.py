@@ -136,11 +136,11 @@ def make_tokens(num_tokens, dim, seed=0, step=0, dtype=torch.float64):
     return x.to(dtype)
 
 
-def agree_on_splits(output_splits, input_splits, num_rows):
+def agree_on_splits(output_splits, input_splits, num_rows, group=None):
     """Before an all-to-all: the splits must add up to the rows sent, and what rank s sends rank r must be what r
     expects from s. Every rank checks the whole table (one small all-gather) and raises the same ValueError, naming
-    the rank and the mismatch, where gloo would abort or wait forever."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    the rank and the mismatch, where gloo would abort or wait forever. Ranks are counted within `group`."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     for name, splits in (("output_splits", output_splits), ("input_splits", input_splits)):
         if len(splits) != world_size or any(int(s) < 0 for s in splits):
             raise ValueError(f"rank {rank}: {name} {list(splits)} must hold {world_size} sizes, none negative")
@@ -149,7 +149,7 @@ def agree_on_splits(output_splits, input_splits, num_rows):
                          f"tensor sent has {num_rows} rows")
     mine = torch.tensor([*output_splits, *input_splits], dtype=torch.int64)
     table = torch.empty(world_size * len(mine), dtype=torch.int64)
-    dist.all_gather_single(table, mine)
+    dist.all_gather_single(table, mine, group=group)
     table = table.view(world_size, 2, world_size)  # [rank, output or input, peer]
     for r in range(world_size):
         for s in range(world_size):
@@ -168,17 +168,32 @@ def token_bytes(fn):
     """Run fn(); return (bytes handed to all_to_all_single in floating-point tensors, the part of them that leaves
     this rank): the tokens and their gradients, not the integer counts."""
     from utils.intercept import intercept
-    rank, moved = dist.get_rank(), [0, 0]
+    moved = [0, 0]
 
     def before(call, arguments):
         x = arguments["input"]
         if call.name != "all_to_all_single" or not x.is_floating_point() or not len(x):
             return
         row = x[0].numel() * x.element_size()
-        splits = arguments.get("input_split_sizes") or [len(x) // dist.get_world_size()] * dist.get_world_size()
+        group = arguments.get("group")
+        n = dist.get_world_size(group)
+        splits = arguments.get("input_split_sizes") or [len(x) // n] * n
         moved[0] += len(x) * row
-        moved[1] += (len(x) - splits[rank]) * row
+        moved[1] += (len(x) - splits[dist.get_rank(group)]) * row
 
     with intercept(before=before, names=("all_to_all_single",)):
         fn()
     return tuple(moved)
+
+
+def expert_data_mesh(data_parallel, expert_parallel):
+    """The 2-D mesh (data, expert) of the ranks: rank = d * expert_parallel + i. Returns (mesh, expert group, data
+    group): rank (d, i) moves tokens within the ranks (d, *), and its experts' copies sit on the ranks (*, i)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (data_parallel, expert_parallel), mesh_dim_names=("data", "expert"))
+    return mesh, mesh.get_group("expert"), mesh.get_group("data")
+
+
+def group_ranks(group):
+    """The global ranks of a process group (None: all of them)."""
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)

@@ -346,3 +346,118 @@ def check_dropless_dispatch(dropless_dispatch, world_size, world_sizes=WORLD_SIZ
     print(f"dropless_dispatch: every token comes back exactly once, to its position; output, rows per expert and the "
           f"gradients of x, the router and every expert equal one process (1e-12) on {', '.join(map(str, sizes))} "
           f"ranks, 1 and 2 experts per rank, and with experts that get no token")
+
+
+# ---------------------------------------------------------------- experts and data parallel
+
+MESHES = {2: ((1, 2), (2, 1)), 4: ((2, 2), (1, 4))}  # world size: (data, expert) shapes
+
+
+def _mesh_main(rank, world_size, dispatch, sync_gradients, data_parallel, expert_parallel, per_rank):
+    from utils.intercept import intercept
+    mesh, expert_group, data_group = ep.expert_data_mesh(data_parallel, expert_parallel)
+    num_experts = per_rank * expert_parallel
+    mine = ep.local_experts(num_experts, mesh.get_local_rank("expert"), expert_parallel)
+    x = ep.make_tokens(TOKENS * world_size, SIZES.dim, seed=1)[rank * TOKENS:(rank + 1) * TOKENS].clone()
+    grad_y = ep.make_tokens(TOKENS * world_size, SIZES.dim, seed=2)[rank * TOKENS:(rank + 1) * TOKENS]
+    moe = ep.build_moe(SIZES, num_experts, 2 if num_experts > 1 else 1, seed=3, experts=mine)
+    groups = []
+
+    def before(call, arguments):
+        groups.append((call.name, ep.group_ranks(arguments.get("group"))))
+
+    with intercept(before=before) as log:
+        index, weights, _ = ep.route(x, moe.router, moe.top_k)
+        y, _ = dispatch(x, index, weights, list(moe.experts.values()), num_experts, expert_group)
+        (y * grad_y).sum().backward()  # this rank's loss; the whole batch's is the mean over all ranks
+        moved = len(log)
+        local = {name: p.grad.clone() for name, p in moe.named_parameters()}
+        sync_gradients(moe, data_group)
+    return dict(grads={name: p.grad for name, p in moe.named_parameters()}, local=local, forward_groups=groups[:moved],
+                sync_groups=groups[moved:], data=ep.group_ranks(data_group), expert=ep.group_ranks(expert_group))
+
+
+def _mesh_reference(world_size, num_experts):
+    x = ep.make_tokens(TOKENS * world_size, SIZES.dim, seed=1)
+    grad_y = ep.make_tokens(TOKENS * world_size, SIZES.dim, seed=2)
+    moe = ep.build_moe(SIZES, num_experts, 2 if num_experts > 1 else 1, seed=3)
+    index, weights, _ = ep.route(x, moe.router, moe.top_k)
+    y, _ = ep.moe_reference(x, index, weights, moe.experts, num_experts)
+    ((y * grad_y).sum() / world_size).backward()  # the mean over ranks of each rank's loss
+    return {name: p.grad for name, p in moe.named_parameters()}
+
+
+def _mesh_hint(name, got, want, result, results, data_parallel, expert_parallel):
+    """Why a synchronised gradient is wrong: the usual mistakes, recomputed from every rank's local gradients."""
+    n = data_parallel * expert_parallel
+    if name.startswith("experts."):
+        copies = [r["local"][name] for r in results if name in r["local"]]
+        total = sum(copies)
+        candidates = [(total / data_parallel, f"it is {expert_parallel} times too large, the expert-parallel size: "
+                                              f"the sum over its {data_parallel} copies must be divided by all {n} "
+                                              f"ranks (each rank's loss is 1/{n} of the batch's), not by the "
+                                              f"data-parallel size"),
+                      (total, f"it is the sum over its copies: divide by the {n} ranks"),
+                      (result["local"][name] / n, "it is this rank's own gradient: sum it over the ranks holding a "
+                                                  "copy of this expert (the data-parallel group)"),
+                      (result["local"][name], "it was never synchronised")]
+        position = list(result["local"]).index(name)  # the same place in every rank's parameter list
+        everyone = sum(list(r["local"].values())[position] for r in results)
+        candidates += [(everyone / n, "it was averaged with other experts' gradients: an expert's gradient is "
+                                      "all-reduced over the ranks holding a copy of it (the data-parallel group), "
+                                      "not over all ranks")]
+    else:
+        total = sum(r["local"][name] for r in results)
+        group_total = sum(results[r]["local"][name] for r in result["data"])
+        candidates = [(group_total / n, "it was all-reduced on the data-parallel group only: the router sees every "
+                                        "rank's tokens, all-reduce it over all ranks"),
+                      (group_total / data_parallel, "it is averaged over the data-parallel group only: the router "
+                                                    "sees every rank's tokens, average it over all ranks")
+                      ] if data_parallel > 1 else []  # with one copy, the data group is the rank itself
+        candidates += [(total, f"it is the sum over all ranks: divide by the {n} ranks"),
+                       (result["local"][name], "it was never synchronised: average the router's gradient over all "
+                                               "ranks"),
+                       (result["local"][name] / n, "it is this rank's own gradient divided by the world size: it was "
+                                                   "never all-reduced")]
+    return next((hint for value, hint in candidates if _close(got, value)), None)
+
+
+def check_expert_data_parallel(dropless_dispatch, sync_gradients, world_size, world_sizes=(2, 4)):
+    """Experts x data parallel: gradients of every parameter, synchronised, equal one process's (1e-12); the tokens
+    move within the expert group, expert gradients on the data group, the router's on all ranks."""
+    shapes = []
+    for n in runnable_world_sizes(sorted({*world_sizes, world_size})):
+        for data_parallel, expert_parallel in MESHES.get(n, ((n // 2, 2),) if n % 2 == 0 else ((n, 1),)):
+            for per_rank in (1, 2):
+                case = (f"{n} ranks as {data_parallel} (data) x {expert_parallel} (expert), {per_rank} expert(s) per "
+                        f"rank")
+                try:
+                    results = _run(_mesh_main, n, dropless_dispatch, sync_gradients, data_parallel, expert_parallel,
+                                   per_rank)
+                except RankError as e:
+                    if "rows from rank" in str(e) or "but the tensor sent has" in str(e):  # ep.agree_on_splits
+                        raise AssertionError(f"{case}: {e.summary}. The dispatch (right on all ranks in section 4) "
+                                             f"must make every collective on the expert group it is given: tokens "
+                                             f"move within its expert-parallel group") from None
+                    raise
+                want = _mesh_reference(n, per_rank * expert_parallel)
+                for rank, result in enumerate(results):
+                    for what, ranks in result["forward_groups"]:
+                        if ranks != result["expert"]:
+                            raise AssertionError(f"{case}: rank {rank}'s dispatch ran dist.{what} on ranks {ranks}: "
+                                                 f"tokens move within its expert-parallel group {result['expert']}")
+                    for name, got in result["grads"].items():
+                        if not _close(got, want[name]):
+                            hint = _mesh_hint(name, got, want[name], result, results, data_parallel,
+                                              expert_parallel)
+                            raise AssertionError(f"{case}: rank {rank}'s gradient of {name} differs from one "
+                                                 f"process's" + (f": {hint}" if hint else ""))
+                    used = {tuple(ranks) for _, ranks in result["sync_groups"]}
+                    if used - {tuple(result["data"]), tuple(range(n))}:
+                        raise AssertionError(f"{case}: rank {rank} synchronised gradients on ranks {sorted(used)}: "
+                                             f"expert gradients on its data-parallel group {result['data']}, the "
+                                             f"router's on all ranks")
+                shapes.append(f"{data_parallel}x{expert_parallel}")
+    print(f"sync_gradients: every gradient equals one process's (1e-12) on meshes (data x expert) "
+          f"{', '.join(dict.fromkeys(shapes))}, 1 and 2 experts per rank; tokens moved within the expert group, "
+          f"expert gradients summed on the data group, the router's on all ranks")
