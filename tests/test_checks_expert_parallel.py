@@ -60,6 +60,29 @@ def test_the_reference_layer_without_capacity_is_the_plain_sum():
     assert torch.equal(part.experts["3"].w1.weight, moe.experts["3"].w1.weight)
 
 
+def _splits_that_do_not_add_up(rank, world_size):
+    try:
+        SOLUTION.all_to_all(torch.zeros(3, 1), [1, 1], [1, 1])
+    except ValueError as e:
+        return str(e)
+
+
+def test_splits_that_do_not_add_up_are_named():
+    assert spawn(_splits_that_do_not_add_up, 2)[1] == ("rank 1: input_splits [1, 1] add up to 2, but the tensor sent "
+                                                       "has 3 rows")
+
+
+def test_the_layer_takes_a_blocks_feed_forward_place():
+    from utils.transformer import Block
+    sizes = TransformerSizes(dim=8, ffn_dim=16, num_heads=2)
+    block = Block(sizes).double()
+    block.feed_forward = ep.build_moe(sizes, 4, 2, seed=1)
+    out = block(ep.make_tokens(10, 8).view(2, 5, 8), torch.arange(5))
+    out.sum().backward()
+    assert out.shape == (2, 5, 8) and block.feed_forward.router.weight.grad is not None
+    assert block.feed_forward.index.shape == (10, 2) and block.feed_forward.aux_loss.item() > 0
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_splits_the_ranks_disagree_on_are_named_on_every_rank(world_size):
     for rank, message in enumerate(spawn(SOLUTION.disagreeing_splits_main, world_size)):
