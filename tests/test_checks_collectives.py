@@ -36,7 +36,8 @@ def wrong(old, new):
     return solution(NAME, replace={old: new})
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,  # 4: the notebook's own run
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_the_solution_passes(world_size, capsys):
     check_exchange(SOLUTION.exchange, world_size)
     check_ring(SOLUTION.ring_reduce_scatter, "reduce_scatter", world_size)
@@ -89,7 +90,7 @@ def test_a_wrong_exchange_fails_and_names_the_mistake(mistake):
 ])
 def test_an_exchange_that_deadlocks_ends_in_a_timeout_that_says_why(mistake, new):
     with pytest.raises(TimeoutError, match="(?s)a blocking dist.send.*a send has no receive.*did not finish"):
-        check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
+        check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=1.5)
 
 
 @pytest.mark.parametrize("mistake, new", [
@@ -101,7 +102,7 @@ def test_an_exchange_that_deadlocks_ends_in_a_timeout_that_says_why(mistake, new
 def test_an_exchange_that_forgets_a_wait_ends_in_an_error_that_names_it(mistake, new):
     """A stall when gloo leaves the partner waiting; else (the bytes went through in time) the log names it."""
     with pytest.raises((TimeoutError, AssertionError), match="(?s)never waited for: wait for both"):
-        check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=3)
+        check_exchange(wrong(EXCHANGE, new).exchange, 2, timeout=1.5)
 
 
 def test_a_receive_buffer_of_the_wrong_size_is_named_not_only_gloos_abort():
@@ -115,7 +116,7 @@ def test_a_receive_buffer_of_the_wrong_size_is_named_not_only_gloos_abort():
 def test_a_ring_whose_receives_do_not_match_its_sends_ends_in_a_timeout_that_says_why():
     receives_twice = wrong(RS_ADD, RS_ADD + "        dist.irecv(incoming, src=left).wait()\n")
     with pytest.raises(TimeoutError, match="(?s)waits for a message that never comes.*did not finish"):
-        check_ring(receives_twice.ring_reduce_scatter, "reduce_scatter", 3, timeout=3)
+        check_ring(receives_twice.ring_reduce_scatter, "reduce_scatter", 3, timeout=1.5)
 
 
 # ---------------------------------------------------------------- the ring

@@ -23,6 +23,7 @@ def wrong(old, new):
     return solution(NAME, replace={old: new})
 
 
+@pytest.mark.slow  # the notebook's strict run passes every check at 2, 3 and 4 ranks too
 def test_the_solution_passes(capsys):
     check_merge(SOLUTION.merge)
     check_blockwise_attention(SOLUTION.blockwise_attention)
@@ -178,7 +179,7 @@ def test_ring_mistakes_are_named(mistake):
 def test_a_ring_sending_to_the_wrong_neighbour_stops_in_seconds_naming_the_ring():
     stuck = wrong(START, START.replace("irecv(incoming, (rank - 1)", "irecv(incoming, (rank + 1)"))
     with pytest.raises(TimeoutError, match="the ring stalls"):
-        check_ring_attention(stuck.ring_attention_forward, 3, world_sizes=(), timeout=3)
+        check_ring_attention(stuck.ring_attention_forward, 3, world_sizes=(), timeout=1.5)
 
 
 # ---------------------------------------------------------------- ring attention, backward

@@ -47,7 +47,7 @@ CORES = len(os.sched_getaffinity(0))
 
 
 # Their spawn run is in the slow run only: it repeats the fork run's check at a cost the default run cannot pay.
-SPAWN_RUN_IS_SLOW = {"test_fn_without_collectives_many_calls"}
+SPAWN_RUN_IS_SLOW = {"test_ranks_stop_on_ctrl_c_and_when_the_caller_is_killed"}
 
 
 def pytest_generate_tests(metafunc):
@@ -217,6 +217,7 @@ def test_world_size_one():
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # 10 s with fork, more with spawn: the default run's other tests make a hundred calls too
 def test_fn_without_collectives_many_calls():
     """1: a fn that uses no collective and returns at once works every time (80 calls in a row).
 

@@ -8,6 +8,11 @@
   on import if rfc3987_syntax is installed (jupyter's dependencies install it): 1.5 s of every pytest start,
   for a format no notebook schema uses. This plugin loads before nbval, so jsonschema finds it unavailable.
 - nbval's kernels are started again if they die at their start (utils.notebooks.retry_kernel_start says why).
+- The solutions' timing cells (tag `nbval-ignore-output`) are skipped in the default run (`-m 'not slow'`): their
+  outputs are not compared anyway, no other cell needs them (the student-copy and mutation runs leave them out
+  too), and they are a minute of the default run's six. `pytest -m slow` runs every solution, timing cells
+  included, with spawn on 2 ranks and under torchrun; they also run when a notebook is executed, and in a
+  student's `--nbval-lax` run of notebooks/.
 """
 import sys
 from pathlib import Path
@@ -28,3 +33,14 @@ def pytest_configure(config):
 def pytest_xdist_auto_num_workers(config):
     paths = {Path(arg.split("::")[0]) for arg in config.args}
     return 2 if len(paths) > 1 or any(p.is_dir() for p in paths) else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.option.markexpr != "not slow":
+        return
+    from utils.notebooks import TIMING
+    for item in items:
+        cell = getattr(item, "cell", None)  # nbval's cells
+        if cell is not None and Path(str(item.fspath)).parent.name == "solutions" \
+                and TIMING in cell.metadata.get("tags", []):
+            item.add_marker(pytest.mark.skip(reason="a timing cell: it runs under pytest -m slow"))
