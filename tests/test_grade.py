@@ -102,6 +102,7 @@ def test_bad_input_and_unstarted_copies_are_rows_not_crashes(tmp_path, monkeypat
     assert only(rows["trent"])[0] == "error" and "not a notebook" in only(rows["trent"])[1]
 
 
+@pytest.mark.slow  # 17 s of kernels: the default run keeps the grader's refusals and unstarted copies
 def test_answers_are_graded_by_the_instructors_checks(tmp_path, monkeypatch):
     """Right, wrong with the check's own hint, a renamed file, a check redefined by the answer, a check cell
     deleted; and the Gradescope file."""

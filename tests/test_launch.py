@@ -769,6 +769,7 @@ def test_good_arguments_reach_process_start(no_process_may_start):
 
 # ---------------------------------------------------------------- 11. torchrun
 
+@pytest.mark.slow  # 10 s; every notebook's torchrun runs (pytest -m slow) go through this path too
 @pytest.mark.one_start_method
 def test_under_torchrun(tmp_path):
     """11: under torchrun, fn runs in the torchrun ranks themselves; world_size must match."""

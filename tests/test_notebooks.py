@@ -224,8 +224,8 @@ def test_solution_runs_with_the_spawn_start_method_on_two_ranks(name):
 def test_solution_runs_as_a_script_under_torchrun(name, nproc, tmp_path):
     """Every cell as a script under torchrun, the timing cells included, on 2 ranks and on the notebook's default 4:
     in one process a rank meets every call's sizes (07's compiled step, timed at other sizes, once recompiled with
-    symbolic shapes and failed on 2 ranks only). (The default run has tests/test_launch.py's torchrun test of spawn
-    itself.)"""
+    symbolic shapes and failed on 2 ranks only). (tests/test_launch.py's torchrun test of spawn itself is slow
+    too.)"""
     script = tmp_path / name.replace(".ipynb", ".py")
     assert notebooks.main(["--script", str(ROOT / "solutions" / name), "-o", str(script)]) == 0
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
