@@ -328,6 +328,7 @@ def test_the_check_says_where_the_data_order_diverged():
         check_checkpoint(wrong.save_checkpoint, wrong.load_checkpoint, wrong.ShardedSampler, 4, SIZES, STOP_AFTER)
 
 
+@pytest.mark.slow  # 8 s; pytest -m slow also runs the notebook at WORLD_SIZE=2
 def test_right_answers_pass_on_other_world_sizes_and_leave_no_folders_behind(tmp_path, monkeypatch, capsys):
     """Saved on 2 ranks and loaded on 3 and 4: the new ranks get fresh RNG states, and read only their shards."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # every temporary folder of the check goes here

@@ -893,6 +893,7 @@ def _parent_pid(rank, world_size):
     return os.getppid()
 
 
+@pytest.mark.slow  # 7 s of cold starts (each rank imports torch afresh): the default run starts warm ranks
 @pytest.mark.one_start_method
 def test_warm_ranks_can_be_turned_off(monkeypatch):
     """12: warm=False or SPAWN_WARM=0 spawns every rank from the caller; warm ranks are the server's children."""

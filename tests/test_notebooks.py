@@ -285,8 +285,9 @@ def test_interrupting_the_kernel_stops_the_ranks_and_the_next_cell_works(tmp_pat
 
 
 
-@pytest.mark.parametrize("paths, workers", [(["tests/test_handouts.py"], 0),
-                                            (["tests/test_handouts.py", "tests/test_layout.py"], 2)])
+@pytest.mark.parametrize("paths, workers", [(["tests/test_handouts.py"], 0),  # two workers: 6 s, in the slow run
+                                            pytest.param(["tests/test_handouts.py", "tests/test_layout.py"], 2,
+                                                         marks=pytest.mark.slow)])
 def test_a_single_file_runs_in_this_process_and_several_on_two_workers(paths, workers):
     """utils.pytest_plugin's worker count must win over xdist's own (one per core), which pytest asks first unless
     told: a student checking one notebook would wait for two workers to start. (Files that import no torch: each
