@@ -6,6 +6,8 @@ AssertionError that says what is wrong (and, where it can tell, why) when it is 
 One module per notebook (utils.checks.setup, .collectives, .data_parallel, .tensor_parallel, ...);
 this one holds what they share.
 """
+import contextlib
+
 import torch
 
 from utils.launch import RankError, spawn
@@ -37,6 +39,23 @@ def spawn_explaining_stalls(fn, world_size, *args, timeout, hint, sizes=""):
         raise AssertionError(f"{e.args[0].splitlines()[0]}: a message arrived whose size is not its receive buffer's: "
                              f"gloo ends the process. Every irecv's buffer must have exactly the size of what its "
                              f"neighbour sends in that step{'; ' + sizes if sizes else ''}") from None
+
+
+def close(got, want):
+    """Equal to TOLERANCE relative to want's largest entry (at least absolute 1e-12); a None, or another shape, is
+    never close."""
+    return got is not None and got.shape == want.shape and max_abs_diff(got, want) < TOLERANCE * max(
+        1.0, want.abs().max().item() if want.numel() else 0.0)
+
+
+def confirmed(got, candidates):
+    """The hint of the first candidate value `got` equals (each a (value, hint) pair: what a mistake computes on the
+    same inputs), or None: a hint is given only when its diagnosis is confirmed."""
+    for value, hint in candidates:
+        with contextlib.suppress(RuntimeError):  # a candidate of another shape: not this mistake
+            if torch.isfinite(value).all() and close(got, value):
+                return hint
+    return None
 
 
 def max_abs_diff(a, b):

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from utils import ring_attention as ra
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, spawn_explaining_stalls
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_diff, spawn_explaining_stalls
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
 from utils.launch import runnable_world_sizes
@@ -27,20 +27,6 @@ from utils.transformer import (
 )
 
 WORLD_SIZES = (2, 3, 4)
-
-
-def _close(got, want):
-    return got is not None and got.shape == want.shape and max_abs_diff(got, want) < TOLERANCE * max(
-        1.0, want.abs().max().item() if want.numel() else 0.0)
-
-
-def _confirmed(got, candidates):
-    """The hint of the first candidate value `got` equals (each a (value, hint) pair), or None."""
-    for value, hint in candidates:
-        with contextlib.suppress(RuntimeError):  # a candidate of another shape: not this mistake
-            if torch.isfinite(value).all() and _close(got, value):
-                return hint
-    return None
 
 
 def _where(got, want, dim):
@@ -104,7 +90,7 @@ def check_merge(merge):
                 raise AssertionError(f"{name}: merge's {what} has shape {tuple(getattr(value, 'shape', ()))}, "
                                      f"expected {tuple(want.shape)} (out: (..., queries, head_dim), lse: "
                                      f"(..., queries))")
-            if _close(value, want):
+            if close(value, want):
                 continue
             if not torch.isfinite(value).all():
                 raise AssertionError(
@@ -113,7 +99,7 @@ def check_merge(merge):
                         "(exp(lse_block - lse_merged)), which are never above 0" if "1000" in name else
                         "A block no query sees has out 0 and lse -inf: its weight must come out 0, not NaN "
                         "(torch.logaddexp handles -inf; exp(-inf - finite) is 0)"))
-            hint = _confirmed(value, [(v, h) for v, which, h in _merge_mistakes(out_a, lse_a, out_b, lse_b)
+            hint = confirmed(value, [(v, h) for v, which, h in _merge_mistakes(out_a, lse_a, out_b, lse_b)
                                       if which == what])
             raise AssertionError(f"{name}: merge's {what} differs from attention over both blocks by up to "
                                  f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
@@ -185,7 +171,7 @@ def check_blockwise_attention(blockwise_attention):
     q, k, v = ra.attention_inputs(2, 2, 12, 4, seed=5)
     for mask in ra.MASKS:
         want_out, want_lse = ra.reference_attention(q, k, v, mask)
-        assert _close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention
+        assert close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention
         for block_size in (4, 5, 1, 12, 16):
             case = f"block_size {block_size}, mask {mask!r}, sequence 12"
             calls = []
@@ -201,11 +187,11 @@ def check_blockwise_attention(blockwise_attention):
                         f": {12 - rows} positions are missing. A block size that does not divide the sequence "
                         f"leaves a shorter last block (torch.split makes it)" if isinstance(rows, int) and rows < 12
                         else ""))
-            if not _close(got_out, want_out):
-                hint = _confirmed(got_out, _blockwise_mistakes(q, k, v, block_size, mask))
+            if not close(got_out, want_out):
+                hint = confirmed(got_out, _blockwise_mistakes(q, k, v, block_size, mask))
                 raise AssertionError(f"{case}: out differs from plain attention at positions "
                                      f"{_where(got_out, want_out, -2)}" + (f": {hint}" if hint else ""))
-            if got_lse.shape != want_lse.shape or not _close(got_lse, want_lse):
+            if got_lse.shape != want_lse.shape or not close(got_lse, want_lse):
                 raise AssertionError(f"{case}: out is right but lse differs from the log-sum-exp of each query's "
                                      f"scores: return the merged lse of every block of queries, in order")
             total, hidden = score_entries(calls, mask)
@@ -377,18 +363,18 @@ def _ring_forward_checked(forward, positions, mask, timeout):
             raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out has shape "
                                  f"{tuple(getattr(got_out, 'shape', ()))}, expected {tuple(want.shape)} (its "
                                  f"queries' chunk)")
-        if not _close(got_out, want):
+        if not close(got_out, want):
             everyone = torch.empty_like(q)
             for r, other in enumerate(results):
                 everyone[..., positions[r], :] = other["forward"][0]
-            hint = _confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)
+            hint = confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)
                                          for variant, h in RING_MISTAKES.items()])
-            if hint is None and mask == "causal" and _close(everyone, ra.reference_attention(q, k, v, "none")[0]):
+            if hint is None and mask == "causal" and close(everyone, ra.reference_attention(q, k, v, "none")[0]):
                 hint = "no causal mask was applied: pass the mask to block_attention"
             raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
                                  f"positions {[mine[i].item() for i in _where(got_out, want, -2)]}"
                                  + (f": {hint}" if hint else ""))
-        if not _close(got_lse, want_lse[..., mine]):
+        if not close(got_lse, want_lse[..., mine]):
             raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out is right but its lse is not the "
                                  f"log-sum-exp of its queries' scores over every key: return the merged lse")
     _raise(n, mask, _ring_run_problems(results, positions, mask, "forward", kv_bytes_per_rank(n, len(positions[0]))))
@@ -410,7 +396,7 @@ def _ring_backward_checked(forward, backward, positions, mask, timeout):
             if value is None or value.shape != want.shape:
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
                                      f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
-            if not _close(value, want):
+            if not close(value, want):
                 hint = _backward_hint(name, value, leaf.grad, rank, positions, q, k, v, grad_out, mask)
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from autograd's "
                                      f"through plain attention by up to {max_abs_diff(value, want):.3g}"
@@ -461,7 +447,7 @@ def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, m
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
                                  "block came from, so the gradients travel the ring with their block, every rank "
                                  "adding its share, and arrive home after N steps"))
-    return _confirmed(value, candidates)
+    return confirmed(value, candidates)
 
 
 # ---------------------------------------------------------------- zigzag
@@ -557,15 +543,15 @@ def _gradient_hint(runs, want, n):
         got = [grads.get(name) for _, _, grads in runs]
         if any(g is None for g in got):
             return f"{name}'s gradient is None on some rank at the optimizer step"
-        if all(_close(g, expected) for g in got):
+        if all(close(g, expected) for g in got):
             continue
-        if any(not _close(g, got[0]) for g in got[1:]):
+        if any(not close(g, got[0]) for g in got[1:]):
             return (f"{name}'s gradient differs between the ranks at the optimizer step: each rank holds only its "
                     f"tokens' share, so average every gradient over the ranks (all-reduce, then divide by N)")
         for factor, hint in [(n, f"it is {n} times the whole batch's: the sum over ranks of each rank's mean loss's "
                                  f"gradient, where the mean is wanted (divide by the world size)"),
                              (1 / n, f"it is the whole batch's divided by {n} once more")]:
-            if _close(got[0], expected * factor):
+            if close(got[0], expected * factor):
                 return f"{name}'s gradient at the optimizer step: {hint}"
         return (f"{name}'s gradient at the optimizer step differs from the whole batch's by up to "
                 f"{max_abs_diff(got[0], expected):.3g}")
@@ -603,7 +589,7 @@ def check_context_parallel_training(forward_backward, ring_attention, world_size
                 raise AssertionError(f"{case}: {problem}")
             for name, expected in want_params.items():
                 for rank, (params, _, _) in enumerate(runs):
-                    if not _close(params[name], expected):
+                    if not close(params[name], expected):
                         raise AssertionError(f"{case}: after {TRAIN_STEPS} steps rank {rank}'s {name} differs from one "
                                              f"process's by up to {max_abs_diff(params[name], expected):.3g}")
             for step in range(TRAIN_STEPS):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from utils import expert_parallel as ep
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn, spawn_explaining_stalls
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, max_abs_diff, seeded_randn, spawn_explaining_stalls
 from utils.launch import RankError, runnable_world_sizes
 from utils.transformer import TransformerSizes
 
@@ -22,11 +22,6 @@ SIZES = TransformerSizes(dim=8, ffn_dim=16, num_heads=2)
 TOKENS = 12  # per rank
 STALL = ("a rank waits in a collective the others never reach: every rank must make the same all-to-all calls, in the "
          "same order, even one that sends or receives nothing")
-
-
-def _close(got, want):
-    return got is not None and got.shape == want.shape and max_abs_diff(got, want) < TOLERANCE * max(
-        1.0, want.abs().max().item() if want.numel() else 0.0)
 
 
 def _run(fn, world_size, *args):
@@ -100,20 +95,20 @@ def check_all_to_all(all_to_all, world_size, world_sizes=WORLD_SIZES):
             raise AssertionError(f"{n} ranks, rows sent from rank s to rank r {table}: {e.summary}: {hint}") from None
         for rank, (result, (want_y, want_grad)) in enumerate(zip(results, _all_to_all_reference(table))):
             pt_y, pt_grad = result["pytorch"]
-            if not (_close(pt_y, want_y) and _close(pt_grad, want_grad)):
+            if not (close(pt_y, want_y) and close(pt_grad, want_grad)):
                 raise AssertionError("PyTorch's all_to_all_single_autograd disagrees with the check's reference")
             y, grad = result["yours"]
             case = f"{n} ranks, rows sent from rank s to rank r {table}, rank {rank}"
-            if not _close(y, want_y):
+            if not close(y, want_y):
                 raise AssertionError(f"{case}: the output differs from the rows the ranks sent it, in rank order "
                                      f"(and from all_to_all_single_autograd's)" + (
                                          f": its shape is {tuple(y.shape)}, expected {tuple(want_y.shape)}"
                                          if y.shape != want_y.shape else ""))
             if grad is None:
                 raise AssertionError(f"{case}: x.grad is None: return the gradient of x from backward")
-            if not _close(grad, want_grad):
+            if not close(grad, want_grad):
                 hint = ""
-                if grad.shape == want_grad.shape and _close(grad, torch.zeros_like(grad)):
+                if grad.shape == want_grad.shape and close(grad, torch.zeros_like(grad)):
                     hint = ": it is zero"
                 raise AssertionError(f"{case}: the gradient of x differs from each row's gradient sent back from the "
                                      f"rank that received the row (all_to_all_single_autograd's){hint}")
@@ -250,7 +245,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
     # scaled experts: each token must come back multiplied by its own expert's factor
     got = torch.cat([r["scaled"] for r in results])
     want_scaled = x * (index1[:, :1] + 1) * kept1
-    if not _close(got, want_scaled):
+    if not close(got, want_scaled):
         rows = _rows(got, want_scaled)
         t = rows[0]
         factor = (got[t] / x[t]).mean().item()
@@ -260,7 +255,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                              f"expert")
     # the layer
     got = torch.cat([r["y"] for r in results])
-    if not _close(got, want["y"]):
+    if not close(got, want["y"]):
         weights, kept, index = want["weights"], want["kept"], want["index"]
         renormalised = weights * kept / (weights * kept).sum(-1, keepdim=True).clamp_min(1e-300)
         moe = want["moe"]
@@ -271,7 +266,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                                                  "by its pair's weight before it is added to its token")]
         for w, hint in candidates:
             value, _ = ep.moe_reference(x, index, w, moe.experts, num_experts, capacity, world_size)
-            if _close(got, value.detach()):
+            if close(got, value.detach()):
                 raise AssertionError(f"{case}: the output differs from the single-process layer: {hint}")
         raise AssertionError(f"{case}: the output differs from the single-process layer at tokens "
                              f"{_rows(got, want['y'])}, by up to {max_abs_diff(got, want['y']):.3g}")
@@ -284,7 +279,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
     # gradients
     router = [r["router_grad"] for r in results]
     learns = want["router_grad"].abs().max() > 1e-6  # top-1 renormalised: weight p / p = 1, no gradient at all
-    if any(g is None for g in router) or learns and all(_close(g, torch.zeros_like(g)) for g in router):
+    if any(g is None for g in router) or learns and all(close(g, torch.zeros_like(g)) for g in router):
         raise AssertionError(f"{case}: the output is right but the router has no gradient: the combine weights "
                              f"were detached (or recomputed without autograd); the router learns only through them")
     checks = [("the router's weight (summed over ranks)", sum(router, torch.zeros_like(want["router_grad"])),
@@ -295,7 +290,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
         expert_grads.update(r["expert_grads"])
     checks += [(f"experts.{k}", expert_grads.get(k), g) for k, g in want["expert_grads"].items()]
     for what, got, want_grad in checks:
-        if got is None or not _close(got, want_grad):
+        if got is None or not close(got, want_grad):
             raise AssertionError(f"{case}: the output is right but the gradient of {what} differs from the "
                                  f"single-process layer's" + (": it is None" if got is None else
                                                               f" by up to {max_abs_diff(got, want_grad):.3g}"))
@@ -419,7 +414,7 @@ def _mesh_hint(name, got, want, result, results, data_parallel, expert_parallel)
                                                "ranks"),
                        (result["local"][name] / n, "it is this rank's own gradient divided by the world size: it was "
                                                    "never all-reduced")]
-    return next((hint for value, hint in candidates if _close(got, value)), None)
+    return next((hint for value, hint in candidates if close(got, value)), None)
 
 
 def check_expert_data_parallel(dropless_dispatch, sync_gradients, world_size, world_sizes=(2, 4)):
@@ -447,7 +442,7 @@ def check_expert_data_parallel(dropless_dispatch, sync_gradients, world_size, wo
                             raise AssertionError(f"{case}: rank {rank}'s dispatch ran dist.{what} on ranks {ranks}: "
                                                  f"tokens move within its expert-parallel group {result['expert']}")
                     for name, got in result["grads"].items():
-                        if not _close(got, want[name]):
+                        if not close(got, want[name]):
                             hint = _mesh_hint(name, got, want[name], result, results, data_parallel,
                                               expert_parallel)
                             raise AssertionError(f"{case}: rank {rank}'s gradient of {name} differs from one "

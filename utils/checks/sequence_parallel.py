@@ -14,8 +14,7 @@ import re
 import torch
 
 from utils import sequence_parallel as sp
-from utils.checks import CHECK_TIMEOUT, max_abs_diff, seeded_randn
-from utils.checks.context_parallel import _close, _confirmed
+from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff, seeded_randn
 from utils.counting import record_communication
 from utils.launch import runnable_world_sizes, spawn
 from utils.transformer import TransformerSizes
@@ -133,11 +132,11 @@ def _region_problem(where, got, error, want, mistakes, shape_hints):
     hint} for a gradient whose wrong shape made autograd refuse it."""
     if error:
         return f"{where}: {error}" + (f": {shape_hints[_shape_in(error)]}" if _shape_in(error) in shape_hints else "")
-    if _close(got, want):
+    if close(got, want):
         return None
     if got is not None and got.shape != want.shape and tuple(got.shape) in shape_hints:
         return f"{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}: {shape_hints[tuple(got.shape)]}"
-    hint = _confirmed(got, [(value, h) for value, h in mistakes if value is not None]) if got is not None else None
+    hint = confirmed(got, [(value, h) for value, h in mistakes if value is not None]) if got is not None else None
     if got is None or got.shape != want.shape:
         return f"{where}: expected shape {tuple(want.shape)}, got {_shape(got)}" + (f": {hint}" if hint else "")
     return f"{where}: differs from the expected value by up to {max_abs_diff(got, want):.3g}" + (
@@ -229,20 +228,20 @@ def _block_problems(runs, n, sizes, seed, reference):
             yield f"{where}: {run.error}"
             return
         for what, got, want in (("output", run.output, out), ("input's gradient", run.grad, x_grad)):
-            if not _close(got, sp.sequence_chunk(want, rank, n)):
+            if not close(got, sp.sequence_chunk(want, rank, n)):
                 yield f"{where}: its {what} differs from the single-process block's at this rank's positions"
         for name, want in grads.items():
             want, got, before = sp.shard(name, want, rank, n), run.grads[name], run.unsynced[name]
-            if _close(got, want):
+            if close(got, want):
                 continue
             if name not in sp.NORMS:
                 yield (f"{where}: the gradient of {name} " + (
                     "was right before all_reduce_norm_grads and wrong after it: only the norms' weights are whole "
                     "on every rank; the other weights are shards of different heads (features), whose gradients are "
-                    "complete on their rank" if _close(before, want) else "differs from the single-process block's"))
+                    "complete on their rank" if close(before, want) else "differs from the single-process block's"))
                 continue
             partials = [r.unsynced[name] for r in runs]
-            hint = _confirmed(got, [
+            hint = confirmed(got, [
                 (before, "it is this rank's share only: each rank's norm saw its chunk of the sequence, so the "
                          "weight's gradient is partial on every rank: all-reduce it (sum) over the group"),
                 (sum(partials) / n, "it is the mean over ranks: the chunks' shares add up (a sum), do not divide by "
@@ -298,8 +297,8 @@ def check_sequence_parallel(GatherFromSequenceParallelRegion, ReduceScatterToSeq
             if problem:
                 raise AssertionError(problem)
         for rank, (out, x_grad, grads) in enumerate(tensor_parallel):
-            assert _close(out, reference[0]) and _close(x_grad, reference[1]) and all(
-                _close(g, sp.shard(name, reference[2][name], rank, n)) for name, g in grads.items()), \
+            assert close(out, reference[0]) and close(x_grad, reference[1]) and all(
+                close(g, sp.shard(name, reference[2][name], rank, n)) for name, g in grads.items()), \
                 "utils.sequence_parallel: the tensor-parallel block differs from one process (the course's bug)"
         saved = blocks[0].saved
         if saved["sequence parallel"] * n != saved["tensor parallel"]:
