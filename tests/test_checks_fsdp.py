@@ -323,3 +323,19 @@ def test_a_frozen_parameter_unused_on_every_rank_still_trains():
         assert sum(g is not None for g in on_rank_0.first_grads) == BRANCH["num_layers"] + 1  # the trunk, the branch
         if job.version != "fsdp":  # FSDP's weights are each rank's shards
             assert all(torch.equal(a, b) for a, b in zip(on_rank_0.weights, on_rank_1.weights))
+
+
+def test_peak_new_bytes_counts_what_is_alive_at_once_and_not_the_inputs():
+    from utils.memory import peak_new_bytes
+
+    given = torch.zeros(10_000, dtype=torch.float64)  # an input (80000 bytes): never counted
+
+    def work():
+        a = given + 1  # 80000 bytes
+        b = a * 2  # 160000 alive
+        del a
+        c = b.view(100, 100)  # a view: its base, counted once
+        return (b + c.flatten()).sum()  # b, the sum's 80000 and the total's 8 alive at once
+
+    result, peak = peak_new_bytes(work)
+    assert float(result) == 4 * 10_000 and peak == 160008

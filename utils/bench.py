@@ -88,6 +88,25 @@ def bytes_on_the_wire(fn):
     return None if before is None else after - before
 
 
+def ping_pong_main(rank, world_size, sizes):
+    """One-way seconds of a point-to-point message of each size in `sizes` (bytes), between ranks 0 and 1: they
+    bounce it back and forth, and half a round trip is one send (notebook 01; 09 fits its alpha-beta model)."""
+    times = []
+    for size in sizes:
+        x = torch.zeros(max(size // 4, 1))
+
+        def round_trip():
+            if rank == 0:
+                dist.send(x, dst=1)
+                dist.recv(x, src=1)
+            elif rank == 1:
+                dist.recv(x, src=0)
+                dist.send(x, dst=0)
+
+        times.append(collective_seconds(round_trip, repeat=5) / 2)
+    return times
+
+
 def fit_alpha_beta(sizes, seconds):
     """Fit t = alpha + size / beta (latency in s, bandwidth in bytes/s), minimizing relative errors
     so that the small messages (which set alpha) count as much as the large ones (which set beta)."""

@@ -186,10 +186,15 @@ def runnable_world_sizes(world_sizes):
     return [int(os.environ["WORLD_SIZE"])] if under_torchrun() else list(world_sizes)
 
 
+def usable_cores():
+    """The cores this process may run on (its affinity on Linux; all of them on macOS)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def threads_per_rank(world_size):
     """Share the cores: 4 ranks on 2 cores with 2 threads each would fight over them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world_size)
+    return max(1, usable_cores() // world_size)
 
 
 def loopback_interface():

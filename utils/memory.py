@@ -201,6 +201,29 @@ class _SampleEveryOp(TorchDispatchMode):
         return out
 
 
+class _PeakOfNewTensors(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak = [], 0  # weak references to the storages the ops made
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.alive += [weakref.ref(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor)]
+        sizes = {s.data_ptr(): s.nbytes() for ref in self.alive if (s := ref()) is not None}
+        self.peak = max(self.peak, sum(sizes.values()))  # each storage once: a view is its base
+        return out
+
+
+def peak_new_bytes(fn):
+    """(fn's result, the most bytes alive at once, after any op, in tensors that fn's ops made): a function's
+    working memory, measured. Its inputs do not count; a buffer a collective fills counts from the op that made it
+    (torch.empty), and until nothing refers to it, gloo's work objects included."""
+    with _PeakOfNewTensors() as mode:
+        result = fn()
+    return result, mode.peak
+
+
 def model_state_bytes(params, optimizer):
     """Bytes right now: {group: bytes} of the parameters, their gradients and the optimizer state."""
     return MemoryTracker(lambda: params, optimizer).now()[0]
