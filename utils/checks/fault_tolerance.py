@@ -21,6 +21,9 @@ import tempfile
 import time
 
 import torch
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.optim  # noqa: F401
+import torch.distributed.pipelining  # noqa: F401
 from torch.utils.data import DistributedSampler
 
 from utils import checkpoint, fsdp, pytorch_reference, rpc_controller, sharded_run
@@ -28,6 +31,8 @@ from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.sizes import check_int
 
+# torch.distributed's checkpoint, optim and pipelining are imported above though unused here: the ranks these checks
+# fork use them (dcp in every checkpoint check: 13 rank processes in notebook 08), and inherit them (utils.launch)
 DATASET_SIZES = (1, 3, 8, 10, 12, 13)  # fewer rows than ranks, divisible by 2 and 4, by 3 and 4, by none
 EPOCHS = 3
 
