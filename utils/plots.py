@@ -3,9 +3,13 @@
 Each draws a new figure and returns None, so that a notebook cell shows it once (Jupyter's inline
 backend displays the figures a cell made).
 """
-import matplotlib.pyplot as plt
-
 from utils.bench import format_bytes
+
+
+def _subplots(*args, **kwargs):
+    import matplotlib.pyplot as plt  # here: 0.5 s to import, and most plots are of timings, which the default run skips
+
+    return plt.subplots(*args, **kwargs)
 
 
 def _size_axis(ax, sizes):
@@ -18,7 +22,7 @@ def plot_bandwidth(rows, ceiling=None):
     """rows: (op, world_size, size_bytes, bus_bytes_per_s, wire_bytes_per_s). Two log-log panels side by
     side: bus bandwidth by the nccl-tests convention, and the bytes really written to the sockets per
     second; one line per (op, world size), the memory-copy ceiling dotted on both."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    fig, axes = _subplots(1, 2, figsize=(11, 4.5), sharey=True)
     colors = {}
     for panel, (ax, title) in enumerate(zip(axes, ("bus bandwidth (nccl-tests convention)",
                                                    "measured: bytes sent per rank / time"))):
@@ -42,7 +46,7 @@ def plot_bandwidth(rows, ceiling=None):
 
 def plot_alpha_beta(sizes, seconds, alpha, beta):
     """Measured one-way times of send/recv against the fitted t = alpha + size / beta."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     ax.plot(sizes, [s * 1e6 for s in seconds], "o", label="measured (half a round trip)")
     fine = [sizes[0] * (sizes[-1] / sizes[0]) ** (k / 100) for k in range(101)]
     ax.plot(fine, [(alpha + s / beta) * 1e6 for s in fine], "-",
@@ -61,7 +65,7 @@ def plot_step_times(seconds, title):
     range of the steps as an error bar, labelled with its ratio to the first version's median."""
     import statistics
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _subplots(figsize=(6, 3.5))
     ms = [sorted(s * 1e3 for s in times) for times in seconds.values()]
     medians = [statistics.median(m) for m in ms]
     spread = [[m - low[0] for m, low in zip(medians, ms)], [high[-1] - m for m, high in zip(medians, ms)]]
@@ -76,7 +80,7 @@ def plot_step_times(seconds, title):
 def plot_communication_bytes(batch_sizes, tensor_parallel, data_parallel, crossover, title, measured=None):
     """Bytes each rank sends per step against the batch size: TP grows with it, DP does not. `measured`: the same two
     series as written to the sockets, drawn dotted next to the formula's."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     ax.plot(batch_sizes, tensor_parallel, "o-", color="tab:blue", label="tensor parallel (activations), ring formula")
     ax.plot(batch_sizes, data_parallel, "s--", color="tab:orange", label="data parallel (gradients), ring formula")
     if measured is not None:
@@ -98,8 +102,10 @@ def plot_pipeline_timelines(timelines, title):
     """timelines: {schedule name: events by stage}, each a utils.pipeline.Event (kind "F"/"B"/"W", micro-batch,
     start, end in seconds, piece). One Gantt chart per schedule: stages as rows, forwards blue, backwards
     orange (weight gradients green), labelled by micro-batch (and piece); the gaps are the idle time."""
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
-                             squeeze=False)
+    from matplotlib.patches import Rectangle
+
+    fig, axes = _subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
+                          squeeze=False)
     colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
     for ax, (name, events_by_stage) in zip(axes[:, 0], timelines.items()):
         t0 = min(e.start for events in events_by_stage for e in events)
@@ -115,7 +121,7 @@ def plot_pipeline_timelines(timelines, title):
         ax.set_xlabel("time (ms)")
     kinds = [k for k in colors if any(e.kind == k for t in timelines.values() for es in t for e in es)]
     names = {"F": "forward", "B": "backward" + (" (B)" if "W" in kinds else ""), "W": "weight gradient (W)"}
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds],
+    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds],
                labels=[names[k] for k in kinds], fontsize=7, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
@@ -124,7 +130,7 @@ def plot_pipeline_timelines(timelines, title):
 def plot_idle_shares(rows, title):
     """rows: {schedule: {"formula": share, "exact slots": share, "measured": [share by rank]}}. Grouped bars per
     schedule; the measured shares of each rank as dots over their bar (their mean)."""
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = _subplots(figsize=(7, 3.2))
     labels = ["formula", "exact slots", "measured"]
     width = 0.8 / len(labels)
     for k, label in enumerate(labels):
@@ -144,7 +150,7 @@ def plot_idle_shares(rows, title):
 
 def plot_memory(rows, title):
     """rows: {version: (measured peak bytes by group, formula bytes)}. Stacked bars, the formula as a black tick."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     names = list(rows)
     bottoms = [0.0] * len(names)
     for group, color in (("parameters", "tab:blue"), ("gradients", "tab:orange"), ("optimizer state", "tab:green"),
@@ -162,7 +168,7 @@ def plot_memory(rows, title):
 
 def plot_running_sum_errors(counts, errors):
     """errors: {format: [relative error of a running sum of counts[i] values]}, on log-log axes (notebook 06)."""
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig, ax = _subplots(figsize=(5, 3))
     for name, e in errors.items():
         ax.loglog(counts, e, "o-", label=name)
     ax.set_xlabel("values summed, one at a time")
@@ -173,7 +179,7 @@ def plot_running_sum_errors(counts, errors):
 
 def plot_reduce_error(world_sizes, errors):
     """The bf16 all-reduce's largest error relative to the largest gradient entry, against the world size."""
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig, ax = _subplots(figsize=(5, 3))
     ax.plot(world_sizes, errors, "o-")
     ax.set_xlabel("ranks")
     ax.set_xticks(world_sizes)
@@ -184,7 +190,7 @@ def plot_reduce_error(world_sizes, errors):
 
 def plot_milliseconds(seconds, ylabel, title, figsize=(5, 3), colors=None):
     """seconds: {name: median seconds}. One bar each, in milliseconds, in the order given."""
-    fig, ax = plt.subplots(figsize=figsize)
+    fig, ax = _subplots(figsize=figsize)
     ax.bar(list(seconds), [s * 1e3 for s in seconds.values()], color=colors)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -195,7 +201,7 @@ def plot_bytes_per_parameter(rows, title):
     """rows: [(label, state formula, state measured or None, {recompute: activations formula},
     {recompute: activations measured})], in bytes per parameter. For each label two stacked bars, without and
     with recomputation (model state, then activations, by the formula); the measured totals as black dots."""
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = _subplots(figsize=(9, 4))
     width = 0.38
     for k, recompute in enumerate((False, True)):
         xs = [i + (k - 0.5) * width for i in range(len(rows))]
@@ -218,7 +224,7 @@ def plot_bytes_per_parameter(rows, title):
 def plot_gpipe_saved_bytes(micro_batch_counts, peaks, title):
     """peaks: {(stage, recomputed): [peak saved bytes for each micro-batch count]}. One line per stage and variant
     (solid: every activation saved; dashed: each layer recomputed), against m (notebook 06, section 5)."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = _subplots(figsize=(5.5, 3.5))
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
     for (stage, recomputed), values in sorted(peaks.items()):
         ax.plot(micro_batch_counts, [v / 1024 for v in values], "o" + ("--" if recomputed else "-"),
@@ -236,7 +242,7 @@ def plot_gpipe_saved_bytes(micro_batch_counts, peaks, title):
 def plot_units(rows, title):
     """rows: {unit: (collectives per step, bytes per all-gather, peak gathered bytes, peak total bytes)} (notebook 07):
     collectives per step and peak memory, side by side, one bar per unit size."""
-    fig, (calls_ax, memory_ax) = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, (calls_ax, memory_ax) = _subplots(1, 2, figsize=(8, 3.2))
     names = list(rows)
     calls_ax.bar(names, [rows[n][0] for n in names], color="tab:blue")
     calls_ax.set_ylabel("collectives per step")

@@ -19,14 +19,24 @@ import pickle
 import shutil
 import tempfile
 import time
+import warnings
 
 import torch
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.pipelining  # noqa: F401
 from torch.utils.data import DistributedSampler
 
 from utils import checkpoint, fsdp, pytorch_reference, rpc_controller, sharded_run
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.sizes import check_int
+
+# torch.distributed's checkpoint, pipelining and optim are imported though unused here: the ranks these checks
+# fork use them (dcp in every checkpoint check: 13 rank processes in notebook 08), and inherit them (utils.launch).
+# optim's warnings: torch.jit.script's deprecation, PyTorch's (as in utils.checks.fsdp).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch.distributed.optim  # noqa: F401
 
 DATASET_SIZES = (1, 3, 8, 10, 12, 13)  # fewer rows than ranks, divisible by 2 and 4, by 3 and 4, by none
 EPOCHS = 3
