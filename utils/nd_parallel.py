@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils import fsdp
+from utils import fsdp, pytorch_reference
 from utils import sequence_parallel as sp
 from utils.counting import bytes_written
 from utils.intercept import intercept
 from utils.memory import MemoryTracker
 from utils.model import make_optimizer
 from utils.sizes import check_int, divide
-from utils.transformer import build_transformer, lm_loss, make_tokens
+from utils.transformer import Transformer, build_transformer, lm_loss, make_tokens
 
 MESH_3D = ("data", "pipeline", "tensor")
 MESH_2D = ("data", "tensor")
@@ -241,6 +241,42 @@ def calls_per_group(log):
     return counts
 
 
+def local_numels(sizes, tensor_parallel):
+    """{name: elements} a tensor rank holds of each parameter, before FSDP shards it."""
+    with torch.device("meta"):
+        model = Transformer(sizes)
+    return {name: p.numel() // (tensor_parallel if sharded_over_tensor(name) else 1)
+            for name, p in model.named_parameters()}
+
+
+def formula_bytes_2d(sizes, data_parallel, tensor_parallel, element_size=8, reduce_scatter=2):
+    """{group: bytes a rank writes per step} by the ring formulas: an all-gather of S bytes (the gathered size)
+    sends (N-1)/N S, an all-reduce 2(N-1)/N S, a reduce-scatter of an S-byte input `reduce_scatter` (N-1)/N S: 2 on
+    gloo (it all-reduces), 1 on a ring-optimal backend (NCCL). Per step: the data group all-gathers and
+    reduce-scatters every parameter a rank holds (padded to a multiple of D); the tensor group all-gathers and
+    reduce-scatters the activations, M = (B/D) S h e, four times per block (two pairs, forward and backward), and
+    all-reduces the shards of the whole weights' gradients."""
+    d, t = data_parallel, tensor_parallel
+    numels = {name: d * fsdp.shard_numel(n, d) for name, n in local_numels(sizes, t).items()}
+    held = sum(numels.values()) * element_size
+    whole = sum(n // d for name, n in numels.items() if not sharded_over_tensor(name)) * element_size
+    activations = sizes.batch_size // d * sizes.seq_len * sizes.dim * element_size
+    ring = {n: (n - 1) / n for n in (d, t)}
+    return {"data": ring[d] * held * (1 + reduce_scatter),
+            "tensor": 4 * sizes.num_layers * ring[t] * activations * (1 + reduce_scatter) + 2 * ring[t] * whole}
+
+
+def formula_memory_2d(sizes, data_parallel, tensor_parallel, element_size=8):
+    """{group: bytes} of model state a rank holds at the step's peak, as utils.memory.MemoryTracker counts it:
+    parameters, its shards (1/D of the P_t elements its tensor rank holds, padded) and the gathered weights (P_t);
+    gradients, the same two; optimizer state, AdamW's two moments of the shards and a 4-byte step count per tensor."""
+    numels = local_numels(sizes, tensor_parallel)
+    shards = sum(fsdp.shard_numel(n, data_parallel) for n in numels.values()) * element_size
+    gathered = sum(numels.values()) * element_size
+    return {"parameters": shards + gathered, "gradients": shards + gathered,
+            "optimizer state": 2 * shards + 4 * len(numels)}
+
+
 # ---------------------------------------------------------------- a 2-D run, recorded
 
 @dataclasses.dataclass
@@ -256,6 +292,7 @@ class Run2D:
     counts: dict = None  # first step: (group, collective): (calls, bytes handed to them)
     peak: dict = None  # second step (optimizer state exists): model state at its peak, {"parameters": ..., ...}
     seconds: list = dataclasses.field(default_factory=list)  # each step's time
+    error: str = ""  # what sync_gradients raised, if it did (the run stops there)
 
 
 def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_parallel, tensor_parallel, num_steps,
@@ -283,8 +320,14 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
             mark("backward")
             if step == 0:
                 run.unsynced = {name: p.grad.clone() for name, p in model.named_parameters()}
-            sync_gradients(model, shards.shards, groups["tensor"], groups["data"])
+            try:
+                sync_gradients(model, shards.shards, groups["tensor"], groups["data"])
+            except RuntimeError as e:  # a collective refused its tensors (a shard's size for another group)
+                run.error = f"sync_gradients raised {type(e).__name__}: {str(e).splitlines()[0]}"
             mark("sync")
+            if run.error:
+                run.calls = phases
+                return run
             if step == 0:
                 run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
                 run.calls, run.bytes, run.counts = phases, bytes_per_group(log), calls_per_group(log)
@@ -296,6 +339,28 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
         run.peak = tracker.peak if tracked else run.peak
     run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
     return run
+
+
+def train_pytorch_2d_main(rank, world_size, sizes, data_parallel, tensor_parallel, num_steps, seed=0, lr=1e-2):
+    """PyTorch's composition (pytorch_reference.fsdp_tensor_parallel_transformer) trained as train_2d_main trains
+    ours: (each step's loss (the data rank's, whole on each of its tensor ranks), the weights at the end (whole),
+    each step's seconds, each step's bytes written to the sockets)."""
+    model, mesh = pytorch_reference.fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed)
+    data_rank = mesh.get_coordinate()[0]
+    optimizer = make_optimizer(model.parameters(), "adamw", lr)
+    losses, seconds, wire = [], [], []
+    for step in range(num_steps):
+        inputs, targets = (x.chunk(data_parallel)[data_rank] for x in make_tokens(sizes, seed, step))
+        start, written = time.perf_counter(), bytes_written()
+        loss = lm_loss(model(inputs, torch.arange(sizes.seq_len)), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+        wire.append(None if written is None else bytes_written() - written)
+        losses.append(loss.item())
+    weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
+    return losses, weights, seconds, wire
 
 
 def _phase_marker(log, phases):

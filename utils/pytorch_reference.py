@@ -112,6 +112,7 @@ def fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed
     for name in model.layers:
         plan.update(sequence_parallel_plan(f"layers.{name}."))
     parallelize_module(model, mesh["tensor"], plan)
+    model.output.register_forward_hook(lambda module, inputs, logits: logits.clone())  # FSDP2 warns of a view
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["data"])
     return fully_shard(model, mesh=mesh["data"]), mesh
@@ -239,6 +240,18 @@ def fully_shard_mlp_mixed_precision(world_size, hidden_dim, num_layers, seed=0, 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def full_tensor(p):
+    """A DTensor's whole value, gathered one mesh dimension at a time (in one go, DTensor warns that it needs two
+    all-gathers on a 2-D mesh)."""
+    from torch.distributed.tensor import Replicate
+
+    placements = list(p.placements)
+    for i in range(len(placements)):
+        placements[i] = Replicate()
+        p = p.redistribute(placements=placements)
+    return p.to_local()
 
 
 def dtensor_redistribute(local, src, dst, shape, mesh=None):

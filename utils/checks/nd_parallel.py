@@ -60,10 +60,9 @@ def _mesh_mistakes(rank, shape):
                  "stay fixed)"),
                 (coordinates, consecutive, "each group is a run of consecutive ranks: only the last dimension's is; "
                  "dimension i's group steps by its stride")]
-    if len(shape) <= 3 and tuple(shape) != (2, 2, 2)[:len(shape)]:
-        fixed = (4, 2, 1)[:len(shape)]
-        mistakes.append((*_position(rank, (2,) * len(shape), fixed), f"right for (2, 2, 2) only: strides 4, 2, 1 "
-                         f"and sizes 2 written in; compute them from the shape {tuple(shape)}"))
+    if len(shape) <= 3:
+        mistakes.append((*_position(rank, shape, (4, 2, 1)[:len(shape)]), f"right for (2, 2, 2) only: strides 4, 2, "
+                         f"1 written in; compute them from the shape {tuple(shape)}"))
     return mistakes
 
 
@@ -73,22 +72,26 @@ def _as_answer(answer):
 
 
 def _mesh_problem(mesh_position, shape, truth, source):
-    """The first rank whose answer is not `truth`'s (coordinates by rank, groups by rank), in words, or None."""
+    """The first rank whose answer is not `truth`'s (coordinates by rank, groups by rank), in words, or None. A
+    mistake is named when it gives the answer's values on every rank of the shape."""
+    answers = {}
     for rank in range(math.prod(shape)):
-        want = truth[rank]
         try:
-            got = _as_answer(mesh_position(rank, shape))
+            answers[rank] = _as_answer(mesh_position(rank, shape))
         except (TypeError, ValueError) as e:
             return f"mesh_position({rank}, {shape}) returned something that is not (coordinates, groups): {e}"
-        if got == want:
-            continue
-        where = f"mesh_position({rank}, {shape}) = {got}, but {source} gives {want}"
-        if got[0] == want[0] and [sorted(g) for g in got[1]] == want[1]:
-            return (f"{where}: the same ranks in another order: list each group in increasing rank order (the order "
-                    f"of the coordinate that varies)")
-        hint = next((h for c, g, h in _mesh_mistakes(rank, shape) if (c, g) == got), None)
-        return where + (f": {hint}" if hint else "")
-    return None
+    wrong = [rank for rank, got in answers.items() if got != truth[rank]]
+    if not wrong:
+        return None
+    rank, got = wrong[0], answers[wrong[0]]
+    where = f"mesh_position({rank}, {shape}) = {got}, but {source} gives {truth[rank]}"
+    if all(a[0] == truth[r][0] and [sorted(g) for g in a[1]] == truth[r][1] for r, a in answers.items()):
+        return (f"{where}: the same ranks in another order: list each group in increasing rank order (the order "
+                f"of the coordinate that varies)")
+    mistakes = {r: _mesh_mistakes(r, shape) for r in answers}
+    hint = next((mistakes[rank][i][2] for i in range(len(mistakes[rank]))
+                 if all(mistakes[r][i][:2] == answers[r] for r in answers)), None)
+    return where + (f": {hint}" if hint else "")
 
 
 def _layout_truth(shape):
@@ -253,13 +256,19 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
         nd.check_sizes_2d(sizes, *mesh, n)  # a ValueError names what does not split, before any rank starts
     grads = reference_gradients(sizes, seed)
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    passed = []
     for mesh in mesh_shapes:
         runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
                      timeout=CHECK_TIMEOUT)
-        problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or _gradient_problem(
-            runs, mesh, grads)
+        problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
+            (f"on mesh {mesh}, rank {run.coordinate}: {run.error}" for run in runs if run.error), None) or \
+            _gradient_problem(runs, mesh, grads)
+        if problem and passed:
+            problem += (f" (right on mesh {passed[0]}, wrong on {mesh}: is a size of one mesh written in? Take each "
+                        f"group's from dist.get_world_size(group))")
         if problem:
             raise AssertionError(problem)
+        passed.append(mesh)
         got = nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh)
         wrong = [name for name, w in weights.items() if not close(got[name], w)]
         got_losses = nd.global_losses(runs, mesh[0])
