@@ -122,7 +122,7 @@ def test_2d_all_reduce_before_the_reduce_scatter_passes(capsys):
                                                            "        if not nd.sharded_over_tensor(name):\n"
                                                            "            dist.all_reduce(p.grad, group=tensor_group)\n",
         SYNC_IF + ALL_REDUCE: ""})
-    check_2d(module, num_steps=2)
+    check_2d(module)
     assert "equal one process's" in capsys.readouterr().out
 
 
