@@ -115,13 +115,15 @@ def test_2d_right_only_on_the_default_mesh_is_named():
         check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
 
 
-def test_2d_all_reduce_before_the_reduce_scatter_passes(capsys):
-    """The other order: the whole gradient summed over the tensor group first (T times the bytes), then FSDP's."""
+def test_2d_all_reduce_first_then_the_librarys_reduce_scatter_passes(capsys):
+    """The other order (the whole gradient summed over the tensor group first: D times the bytes), then FSDP's
+    mean with utils.fsdp.reduce_scatter_mean on the data group."""
     module = solution(NAME, replace={
-        "        grad = torch.empty_like(shards[name])\n": "        grad = torch.empty_like(shards[name])\n"
-                                                           "        if not nd.sharded_over_tensor(name):\n"
-                                                           "            dist.all_reduce(p.grad, group=tensor_group)\n",
-        SYNC_IF + ALL_REDUCE: ""})
+        "        grad = torch.empty_like(shards[name])\n"
+        f"        {REDUCE_SCATTER}\n"
+        "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
+        SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
+        + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"})
     check_2d(module)
     assert "equal one process's" in capsys.readouterr().out
 
