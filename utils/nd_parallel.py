@@ -89,34 +89,22 @@ def device_mesh_groups(shape, names):
 
 
 def mesh_picture(shape, names, mesh_position):
-    """Text: the ranks laid out on the mesh (one block per value of the first coordinates, the last two as a grid),
-    then each dimension's groups and what runs on them; the groups come from mesh_position(rank, shape)."""
-    world = math.prod(shape)
-    position = {rank: mesh_position(rank, shape) for rank in range(world)}
+    """Text: the ranks laid out on the mesh (2 or more dimensions: a grid of the last two per value of the others),
+    then each dimension's groups and what runs on them; everything from mesh_position(rank, shape)."""
+    position = {rank: mesh_position(rank, shape) for rank in range(math.prod(shape))}
+    grids = {}  # the other coordinates -> row -> the row's ranks, in column order
+    for rank, (coordinate, _) in sorted(position.items(), key=lambda item: tuple(item[1][0])):
+        *others, row, _ = coordinate
+        grids.setdefault(tuple(others), {}).setdefault(row, []).append(rank)
     lines = []
-    rows, columns = (shape[-2], shape[-1]) if len(shape) > 1 else (1, shape[-1])
-    outer = shape[:-2] if len(shape) > 1 else ()
-    for block in range(math.prod(outer)):
-        ranks = [r for r in range(world) if position[r][0][:len(outer)] == _unravel(block, outer)]
-        title = ", ".join(f"{n} {c}" for n, c in zip(names, _unravel(block, outer)))
-        lines.append(f"{title or 'mesh'}:" + (f"   {names[-1]} ->" if len(shape) > 1 else ""))
-        for row in range(rows):
-            cells = [r for r in ranks if len(shape) == 1 or position[r][0][-2] == row]
-            label = f"  {names[-2]} {row}" if len(shape) > 1 else " "
-            lines.append(f"{label:>12}  " + " ".join(f"{r:>2}" for r in cells))
+    for others, rows in grids.items():
+        lines.append(", ".join(f"{n} {c}" for n, c in zip(names, others)) + f":   {names[-1]} ->")
+        lines += [f"{f'  {names[-2]} {row}':>12}  " + " ".join(f"{r:>2}" for r in ranks) for row, ranks in rows.items()]
     for i, name in enumerate(names):
-        groups = sorted({tuple(position[r][1][i]) for r in range(world)})
+        groups = sorted({tuple(groups[i]) for _, groups in position.values()})
         shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
         lines.append(f"{name:>9} groups {shown:<28} {COLLECTIVES_ON.get(name, '')}")
     return "\n".join(lines)
-
-
-def _unravel(index, shape):
-    out = []
-    for size in reversed(shape):
-        out.append(index % size)
-        index //= size
-    return tuple(reversed(out))
 
 
 # ---------------------------------------------------------------- 2-D: FSDP x tensor (and sequence) parallel

@@ -10,10 +10,12 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 06  mixed precision    FSDP2 MixedPrecisionPolicy         fully_shard_mlp_mixed_precision
     notebook 07  sharded tensors    DTensor redistribute               dtensor_redistribute
     notebook 08  checkpoints        torch.distributed.checkpoint       fsdp2_with_adamw, dcp_save, dcp_load
-    notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_block
+    notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_plan, sequence_parallel_block
     notebook 11  pipeline schedules torch.distributed.pipelining       pipeline_schedule_pieces, pipeline_step_pieces
+    notebook 12  FSDP x TP + SP     parallelize_module, fully_shard    fsdp_tensor_parallel_transformer, full_tensor
 
-All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
+All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one (notebook 12's: a
+2-D (data, tensor) mesh).
 """
 import contextlib
 
