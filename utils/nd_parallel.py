@@ -329,6 +329,19 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
     return run
 
 
+def measure_2d(parallelize, sync_gradients, sizes, data_parallel, tensor_parallel, seed=0):
+    """Two steps of train_2d_main on data x tensor ranks, measured; per rank, in rank order: {"bytes": {group: bytes
+    written to the sockets in the first step}, "calls": {(group, collective): (calls, bytes handed to them)},
+    "peak": {model state group: bytes at the second step's peak}}. What the planner's predictions are checked
+    against."""
+    from utils.launch import spawn
+
+    check_sizes_2d(sizes, data_parallel, tensor_parallel, data_parallel * tensor_parallel)
+    runs = spawn(train_2d_main, data_parallel * tensor_parallel, parallelize, sync_gradients, sizes, data_parallel,
+                 tensor_parallel, 2, seed, track_memory=True)
+    return [{"bytes": run.bytes, "calls": run.counts, "peak": run.peak} for run in runs]
+
+
 def train_pytorch_2d_main(rank, world_size, sizes, data_parallel, tensor_parallel, num_steps, seed=0, lr=1e-2):
     """PyTorch's composition (pytorch_reference.fsdp_tensor_parallel_transformer) trained as train_2d_main trains
     ours: (each step's loss (the data rank's, whole on each of its tensor ranks), the weights at the end (whole),
