@@ -87,6 +87,9 @@ MISTAKES = {
         "the whole weights' gradients were all-reduced on the data group"),
     "every gradient all-reduced over the tensor group": ({SYNC_IF: "        if True:\n"},
                                                          "a tensor-parallel shard's gradient was all-reduced"),
+    "whole weights averaged over the tensor group": (
+        {ALL_REDUCE: ALL_REDUCE + "            grad /= dist.get_world_size(tensor_group)\n"},
+        "averaged over the tensor group \\(divided by 2\\)"),
 }
 
 
@@ -97,7 +100,7 @@ def check_2d(module, **kwargs):
 
 # about 1.5 s each: the first five (the classic bugs) run by default, the rest under pytest -m slow
 SLOW = ("not divided", "FSDP on the tensor group", "whole weights all-reduced on the data group",
-        "every gradient all-reduced over the tensor group")
+        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MISTAKES])

@@ -227,13 +227,17 @@ def _gradient_mistakes(runs, run, name, want, mesh, grads):
                     f"LM head are whole on every tensor rank, each applied to the rank's chunk of the sequence, so "
                     f"each rank holds a part of the gradient")
         mistakes.append((data_mean, hint))
-    if world != data_parallel:
+    if world != data_parallel and _scaled_everywhere(run, grads, mesh, data_parallel / world):
         mistakes.append((want * data_parallel / world, f"divided by the world size ({world}) instead of the data "
                                                       f"size ({data_parallel}): the tensor ranks' shares add up, only "
                                                       f"the data group's copies are averaged"))
-    if data_parallel > 1:
+    if data_parallel > 1 and _scaled_everywhere(run, grads, mesh, data_parallel):
         mistakes.append((want * data_parallel, f"it is {data_parallel} times too large: the sum over the data group, "
                                                f"not its mean; divide by the data size"))
+    if not nd.sharded_over_tensor(name) and tensor_parallel > 1:
+        mistakes.append((want / tensor_parallel, f"the whole weights' gradients were averaged over the tensor group "
+                                                 f"(divided by {tensor_parallel}): each tensor rank holds the part of "
+                                                 f"its chunk of the sequence, and the parts add up: sum them"))
     if nd.sharded_over_tensor(name) and tensor_parallel > 1:
         same_place = [r for r in runs if r.coordinate[0] == d]
         total = sum(_expected_shard(grads[name], name, r.coordinate, data_parallel, tensor_parallel)
@@ -243,6 +247,12 @@ def _gradient_mistakes(runs, run, name, want, mesh, grads):
                                 "parallel's all-gather already brought every position's gradient: only the weights "
                                 "whole on every tensor rank are summed"))
     return mistakes
+
+
+def _scaled_everywhere(run, grads, mesh, factor):
+    """Whether every shard's gradient on this rank is `factor` times one process's: a division wrong for all."""
+    return all(run.synced[name] is not None and close(run.synced[name], factor * _expected_shard(
+        grad, name, run.coordinate, *mesh)) for name, grad in grads.items())
 
 
 def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SIZES, num_steps=NUM_STEPS,
