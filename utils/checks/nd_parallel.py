@@ -13,6 +13,8 @@ against one process's (utils.transformer.train_transformer_reference, float64, 1
 """
 import math
 
+import torch.distributed as dist
+
 from utils import fsdp
 from utils import nd_parallel as nd
 from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff
@@ -26,8 +28,10 @@ LAYOUT_SHAPES = [(2, 2, 1), (1, 2, 4), (4, 2), (2, 3, 2), (3, 1, 2), (6,)]  # De
 
 
 def _device_mesh_main(rank, world_size, shapes):
-    return [nd.device_mesh_groups(shape, nd.MESH_3D[-len(shape):] if len(shape) < 3 else nd.MESH_3D)
-            for shape in shapes]
+    found = [nd.device_mesh_groups(shape, nd.MESH_3D[-len(shape):] if len(shape) < 3 else nd.MESH_3D)
+             for shape in shapes]
+    dist.barrier()  # every rank has finished connecting its groups before any returns and hangs up
+    return found
 
 
 def _strides(shape):
