@@ -88,12 +88,13 @@ def gather_shards(shards_by_rank, shapes):
     return [unpad(torch.cat([shards[i] for shards in shards_by_rank]), shape) for i, shape in enumerate(shapes)]
 
 
-def reduce_scatter_mean(grad):
-    """This rank's shard of `grad` averaged over the ranks: the library's own, for the embedding unit."""
-    n = dist.get_world_size()
+def reduce_scatter_mean(grad, group=None):
+    """This rank's shard of `grad` averaged over the group's ranks (default: all): the library's own, for the
+    embedding unit (and for notebook 12's data group)."""
+    n = dist.get_world_size(group)
     flat = flat_padded(grad, n)
     out = torch.empty(flat.numel() // n, dtype=flat.dtype)
-    dist.reduce_scatter_single(out, flat)
+    dist.reduce_scatter_single(out, flat, group=group)
     return out / n
 
 

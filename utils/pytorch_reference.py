@@ -10,10 +10,12 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 06  mixed precision    FSDP2 MixedPrecisionPolicy         fully_shard_mlp_mixed_precision
     notebook 07  sharded tensors    DTensor redistribute               dtensor_redistribute
     notebook 08  checkpoints        torch.distributed.checkpoint       fsdp2_with_adamw, dcp_save, dcp_load
-    notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_block
+    notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_plan, sequence_parallel_block
     notebook 11  pipeline schedules torch.distributed.pipelining       pipeline_schedule_pieces, pipeline_step_pieces
+    notebook 12  FSDP x TP + SP     parallelize_module, fully_shard    fsdp_tensor_parallel_transformer, full_tensor
 
-All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one.
+All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one (notebook 12's: a
+2-D (data, tensor) mesh).
 """
 import contextlib
 
@@ -64,30 +66,58 @@ def tensor_parallel_mlp(world_size, hidden_dim, num_layers, seed=0, dtype=torch.
     return parallelize_module(build_mlp(hidden_dim, num_layers, seed, dtype), mesh, tensor_parallel_plan(num_layers))
 
 
-def sequence_parallel_block(world_size, sizes, seed=0, dtype=torch.float64):
-    """Notebook 09's transformer block with torchtitan's tensor + sequence parallel plan: the norms take this rank's
-    chunk of the sequence (SequenceParallel; their weights' gradients come out Partial(sum), the all-reduce pending),
-    attention and the MLP gather it once (PrepareModuleInput), wo and w2 leave by a reduce-scatter (Shard(1))."""
+def sequence_parallel_plan(prefix=""):
+    """torchtitan's tensor + sequence parallel plan of one transformer block (its modules' names after `prefix`):
+    the norms take this rank's chunk of the sequence (SequenceParallel; their weights' gradients come out
+    Partial(sum), the all-reduce pending), attention and the MLP gather it once (PrepareModuleInput), wo and w2 leave
+    by a reduce-scatter (Shard(1))."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-    from utils.sequence_parallel import check_sizes, reference_block
-
-    check_sizes(sizes, world_size)
     plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+    return {prefix + name: style for name, style in plan.items()}
+
+
+def sequence_parallel_block(world_size, sizes, seed=0, dtype=torch.float64):
+    """Notebook 09's transformer block with torchtitan's tensor + sequence parallel plan (sequence_parallel_plan)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from utils.sequence_parallel import check_sizes, reference_block
+
+    check_sizes(sizes, world_size)
     mesh = init_device_mesh("cpu", (world_size,))
-    return parallelize_module(reference_block(sizes, seed, dtype), mesh, plan)
+    return parallelize_module(reference_block(sizes, seed, dtype), mesh, sequence_parallel_plan())
+
+
+def fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed=0, dtype=torch.float64):
+    """The course's transformer as torchtitan composes FSDP and tensor parallel (notebook 12): parallelize_module on
+    mesh["tensor"] (each block: sequence_parallel_plan; the embedding row-parallel over the vocabulary, leaving the
+    sequence sharded; the final norm SequenceParallel; the LM head column parallel, its logits gathered whole), then
+    fully_shard of each block and of the root on mesh["data"]. Takes each data rank's whole token sequence; every
+    tensor rank returns the same logits. Returns (model, mesh)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    from utils.transformer import build_transformer
+
+    mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=("data", "tensor"))
+    model = build_transformer(sizes, seed, dtype)
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for name in model.layers:
+        plan.update(sequence_parallel_plan(f"layers.{name}."))
+    parallelize_module(model, mesh["tensor"], plan)
+    model.output.register_forward_hook(lambda module, inputs, logits: logits.clone())  # FSDP2 warns of a view
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["data"])
+    return fully_shard(model, mesh=mesh["data"]), mesh
 
 
 def pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,
@@ -212,6 +242,18 @@ def fully_shard_mlp_mixed_precision(world_size, hidden_dim, num_layers, seed=0, 
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def full_tensor(p):
+    """A DTensor's whole value, gathered one mesh dimension at a time (in one go, DTensor warns that it needs two
+    all-gathers on a 2-D mesh)."""
+    from torch.distributed.tensor import Replicate
+
+    placements = list(p.placements)
+    for i in range(len(placements)):
+        placements[i] = Replicate()
+        p = p.redistribute(placements=placements)
+    return p.to_local()
 
 
 def dtensor_redistribute(local, src, dst, shape, mesh=None):

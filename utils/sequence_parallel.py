@@ -9,6 +9,10 @@ values N times. Sequence parallel gives each rank a chunk of the sequence there 
 sequence enters the pair, a reduce-scatter along the sequence leaves it. The block is written once, with the two
 functions that enter and leave the pair as arguments; the shards are cut from the single-process block's weights
 (utils.transformer.initial_value) with notebook 03's column_shard and row_shard.
+
+Every collective here runs on a process group, the whole world by default (notebook 09); notebook 12 passes the
+tensor-parallel group of a 2-D mesh. The regions' autograd functions take it as a second argument
+(`GatherFromSequenceParallelRegion.apply(x, group)`); notebook 09's own, written for the whole world, take none.
 """
 import torch
 import torch.distributed as dist
@@ -24,12 +28,12 @@ ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 NORMS = ("attention_norm.weight", "ffn_norm.weight")
 
 
-def check_sizes(sizes, world_size):
-    """Heads, the MLP's features and the sequence must all split over the tensor-parallel group: a ValueError names
-    the one that does not."""
-    divide("num_heads", sizes.num_heads, "world_size", world_size, "each rank computes the same number of heads")
-    divide("ffn_dim", sizes.ffn_dim, "world_size", world_size, "each rank holds the same number of MLP features")
-    return divide("seq_len", sizes.seq_len, "world_size", world_size,
+def check_sizes(sizes, world_size, group_name="world_size"):
+    """Heads, the MLP's features and the sequence must all split over the tensor-parallel group (of `group_name`
+    size): a ValueError names the one that does not."""
+    divide("num_heads", sizes.num_heads, group_name, world_size, "each rank computes the same number of heads")
+    divide("ffn_dim", sizes.ffn_dim, group_name, world_size, "each rank holds the same number of MLP features")
+    return divide("seq_len", sizes.seq_len, group_name, world_size,
                   "each rank holds an equal chunk of the sequence outside the column/row pairs")
 
 
@@ -56,11 +60,11 @@ class ParallelBlock(nn.Module):
     """utils.transformer.Block with its weights sharded over the group; `enter` and `leave` (autograd functions)
     surround each column/row pair. Parameter names as in Block."""
 
-    def __init__(self, block, rank, world_size, enter, leave):
+    def __init__(self, block, rank, world_size, enter, leave, group=None):
         super().__init__()
         self.attention_norm, self.attention = block.attention_norm, block.attention
         self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
-        self.enter, self.leave = enter, leave
+        self.enter, self.leave = on_group(enter, group), on_group(leave, group)
         for name, p in list(self.named_parameters()):
             module_name, _, attribute = name.rpartition(".")
             setattr(self.get_submodule(module_name), attribute,
@@ -68,8 +72,13 @@ class ParallelBlock(nn.Module):
 
     def forward(self, x, positions):
         """x: what this rank holds of the block's input; positions: the whole sequence's (the pairs see all of it)."""
-        h = x + self.leave.apply(self.attention(self.enter.apply(self.attention_norm(x)), positions))
-        return h + self.leave.apply(self.feed_forward(self.enter.apply(self.ffn_norm(h))))
+        h = x + self.leave(self.attention(self.enter(self.attention_norm(x)), positions))
+        return h + self.leave(self.feed_forward(self.enter(self.ffn_norm(h))))
+
+
+def on_group(region, group):
+    """region.apply with its collectives on `group`; None: the whole world's, region.apply(x) (notebook 09's)."""
+    return region.apply if group is None else lambda x: region.apply(x, group)
 
 
 def parallel_block(sizes, rank, world_size, enter, leave, seed=0, dtype=torch.float64):
@@ -84,28 +93,70 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
     """Notebook 03's: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad = grad_output.clone()
-        dist.all_reduce(grad)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     """Notebook 03's: all-reduce of the partial sums forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
         out = x.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output
+        return grad_output, None
+
+
+def all_gather_sequence(x, group=None):
+    """Every rank's chunk (batch, S/N, dim), joined in rank order along the sequence (dim 1): (batch, S, dim)."""
+    chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, x.contiguous(), group=group)
+    return torch.cat(chunks, dim=1)
+
+
+def reduce_scatter_sequence(x, group=None):
+    """The sum over ranks of x (batch, S, dim), of which this rank keeps its chunk of the sequence (dim 1)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = torch.empty_like(x.chunk(n, dim=1)[rank])
+    dist.reduce_scatter(chunk, [c.contiguous() for c in x.chunk(n, dim=1)], group=group)
+    return chunk
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Notebook 09's exercise, on a group: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return reduce_scatter_sequence(grad_output, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Notebook 09's exercise, on a group: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return all_gather_sequence(grad_output, ctx.group), None
 
 
 def sequence_chunk(x, rank, world_size, dim=1):

@@ -1,0 +1,157 @@
+"""Notebook 12's checks: the solution passes; each wrong answer in the catalogue fails with a hint that names the
+mistake; right answers written another way pass; sizes that do not fit are refused before any rank starts. Right
+answers come from the solution notebook, wrong ones are small edits of it. The mesh's catalogue runs on 2 ranks (the
+shapes of other sizes, computed from DeviceMesh's layout in the parent, show every mistake); the 2-D composition's on
+the (2, 2) mesh, one step, where the data group, the tensor group and the world all differ."""
+import pytest
+
+from utils import nd_parallel as nd
+from utils.checks.nd_parallel import SIZES, check_fsdp_tensor_parallel, check_mesh_position
+from utils.notebooks import solution
+from utils.transformer import TransformerSizes
+
+NAME = "12_nd_parallel"
+
+# ---------------------------------------------------------------- section 1: the mesh
+
+STRIDES = "    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]\n"
+GROUPS = ("    groups = [[rank + (k - c) * stride for k in range(size)] for c, stride, size in zip(coordinates, "
+          "strides, shape)]\n")
+MESH_MISTAKES = {
+    "column-major order": ({STRIDES: "    strides = [math.prod(shape[:i]) for i in range(len(shape))]\n"},
+                           "column-major order"),
+    "strides in reverse order": (
+        {STRIDES: "    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))][::-1]\n"},
+        "the strides in reverse order"),
+    "groups that share the coordinate": (
+        {GROUPS: "    groups = [[r for r in range(math.prod(shape)) if r // stride % size == c]\n"
+                 "              for c, stride, size in zip(coordinates, strides, shape)]\n"}, "SHARE this rank's"),
+    "groups of consecutive ranks": ({GROUPS: "    groups = [[rank - rank % size + k for k in range(size)] for size in "
+                                             "shape]\n"}, "consecutive ranks"),
+    "right for (2, 2, 2) only": ({STRIDES: "    strides = [4, 2, 1]\n"}, "right for \\(2, 2, 2\\) only"),
+    "groups in another order": ({"for k in range(size)] for c": "for k in reversed(range(size))] for c"},
+                                "another order"),
+}
+
+
+@pytest.mark.parametrize("mistake", MESH_MISTAKES)
+def test_mesh_mistakes_are_named(mistake):
+    replace, hint = MESH_MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_mesh_position(solution(NAME, replace=replace).mesh_position, 2)
+
+
+def test_mesh_position_written_with_numpy_passes(capsys):
+    module = solution(NAME, replace={STRIDES + "    coordinates = tuple(rank // stride % size for stride, size in "
+                                     "zip(strides, shape))\n" + GROUPS: """    import numpy as np
+
+    coordinates = np.unravel_index(rank, shape)
+    groups = [[r for r in range(math.prod(shape))
+               if all(a == b for j, (a, b) in enumerate(zip(np.unravel_index(r, shape), coordinates)) if j != i)]
+              for i in range(len(shape))]
+"""})
+    check_mesh_position(module.mesh_position, 2)
+    assert "equal init_device_mesh's on 2 ranks" in capsys.readouterr().out
+
+
+def test_a_mesh_that_does_not_fill_the_world_is_refused():
+    with pytest.raises(ValueError, match="mesh data 2 x pipeline 2 x tensor 3 = 12 ranks, but the world has 8"):
+        nd.check_mesh((2, 2, 3), 8, nd.MESH_3D)
+
+
+# ---------------------------------------------------------------- section 2: FSDP x tensor (and sequence) parallel
+
+SYNC_IF = "        if not nd.sharded_over_tensor(name):\n"
+REDUCE_SCATTER = "dist.reduce_scatter_single(grad, fsdp.flat_padded(p.grad, data_parallel), group=data_group)"
+ALL_REDUCE = "            dist.all_reduce(grad, group=tensor_group)\n"
+MISTAKES = {
+    "norms' gradients not all-reduced over the tensor group": (
+        {SYNC_IF: "        if not nd.sharded_over_tensor(name) and not name.startswith('layers.'):\n"},
+        "the norms' gradients were not all-reduced over the tensor group"),
+    "embedding and LM head not synced": (
+        {SYNC_IF: "        if not nd.sharded_over_tensor(name) and name.startswith('layers.'):\n"},
+        "tok_embeddings.weight's gradient was not summed over the tensor group"),
+    "FSDP's reduce-scatter on the world": (
+        {REDUCE_SCATTER: REDUCE_SCATTER.replace(", group=data_group", "")},
+        "FSDP's reduce-scatter ran on the whole world instead of the data group"),
+    "divided by the world size": ({"        grad /= data_parallel\n": "        grad /= dist.get_world_size()\n"},
+                                  "divided by the world size \\(4\\) instead of the data size \\(2\\)"),
+    "not divided": ({"        grad /= data_parallel\n": ""}, "2 times too large: the sum over the data group"),
+    "tensor parallel on the data group": (
+        {"nd.tensor_sequence_parallel(model, tensor_group)": "nd.tensor_sequence_parallel(model, data_group)"},
+        "the tensor-parallel collectives ran on the data group"),
+    "FSDP on the tensor group": ({"nd.FlatShards(model, data_group)": "nd.FlatShards(model, tensor_group)"},
+                                "FSDP's all-gather ran on the tensor group"),
+    "whole weights all-reduced on the data group": (
+        {ALL_REDUCE: ALL_REDUCE.replace("tensor_group", "data_group")},
+        "the whole weights' gradients were all-reduced on the data group"),
+    "every gradient all-reduced over the tensor group": ({SYNC_IF: "        if True:\n"},
+                                                         "a tensor-parallel shard's gradient was all-reduced"),
+    "whole weights averaged over the tensor group": (
+        {ALL_REDUCE: ALL_REDUCE + "            grad /= dist.get_world_size(tensor_group)\n"},
+        "averaged over the tensor group \\(divided by 2\\)"),
+}
+
+
+def check_2d(module, **kwargs):
+    kwargs = {"mesh_shapes": [(2, 2)], "num_steps": 1, **kwargs}
+    check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4, **kwargs)
+
+
+# about 1.5 s each: the first five (the classic bugs) run by default, the rest under pytest -m slow
+SLOW = ("not divided", "FSDP on the tensor group", "whole weights all-reduced on the data group",
+        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group")
+
+
+@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MISTAKES])
+def test_2d_mistakes_are_named(mistake):
+    replace, hint = MISTAKES[mistake]
+    with pytest.raises(AssertionError, match=hint):
+        check_2d(solution(NAME, replace=replace))
+
+
+@pytest.mark.slow  # 2.3 s: two meshes
+def test_2d_right_only_on_the_default_mesh_is_named():
+    """/ 2 written in: right on (2, 2), wrong on (1, 4); the check says it passed the first mesh."""
+    module = solution(NAME, replace={"        grad /= data_parallel\n": "        grad /= 2\n"})
+    with pytest.raises(AssertionError, match="right on mesh \\(2, 2\\), wrong on \\(1, 4\\)"):
+        check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
+
+
+def test_2d_all_reduce_first_then_the_librarys_reduce_scatter_passes(capsys):
+    """The other order (the whole gradient summed over the tensor group first: D times the bytes), then FSDP's
+    mean with utils.fsdp.reduce_scatter_mean on the data group."""
+    module = solution(NAME, replace={
+        "        grad = torch.empty_like(shards[name])\n"
+        f"        {REDUCE_SCATTER}\n"
+        "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
+        SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
+        + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"})
+    check_2d(module)
+    assert "equal one process's" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 6 s: three meshes, three steps each; the notebook's run checks the same
+def test_2d_solution_passes_on_every_mesh(capsys):
+    module = solution(NAME)
+    check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4)
+    assert "meshes (data x tensor) 2 x 2, 1 x 4, 4 x 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sizes, mesh, world, message", [
+    (SIZES, (2, 2), 8, "mesh data 2 x tensor 2 = 4 ranks, but the world has 8"),
+    (TransformerSizes(num_heads=2, dim=16), (1, 4), 4, "num heads 2 is not divisible by tensor parallel 4"),
+    (TransformerSizes(ffn_dim=30), (1, 4), 4, "ffn dim 30 is not divisible by tensor parallel 4"),
+    (TransformerSizes(seq_len=6), (1, 4), 4, "seq len 6 is not divisible by tensor parallel 4"),
+    (TransformerSizes(batch_size=3), (2, 2), 4, "batch size 3 is not divisible by data parallel 2"),
+])
+def test_sizes_that_do_not_fit_the_mesh_are_refused(sizes, mesh, world, message):
+    with pytest.raises(ValueError, match=message):
+        nd.check_sizes_2d(sizes, *mesh, world)
+
+
+def test_the_check_refuses_bad_sizes_before_any_rank_starts():
+    module = solution(NAME)
+    with pytest.raises(ValueError, match="batch size 3 is not divisible by data parallel 2"):
+        check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4,
+                                   sizes=TransformerSizes(batch_size=3), mesh_shapes=[(2, 2)])

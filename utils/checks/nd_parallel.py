@@ -1,0 +1,298 @@
+"""Checks for notebook 12 (parallelisms composed on one mesh).
+
+check_mesh_position: a rank's coordinates and groups, computed from its rank alone, against the groups
+`init_device_mesh` builds on the ranks (every shape of the world's size given), and against DeviceMesh's layout for
+other shapes, so that an answer right for (2, 2, 2) only fails. A wrong answer is named when one of the usual
+mistakes, recomputed, gives exactly its values.
+
+check_fsdp_tensor_parallel: the course's transformer trained on a (data, tensor) mesh with the student's
+parallelize and sync_gradients. First the groups each collective ran on (tensor parallel on the tensor group, FSDP on
+the data group), then the first step's gradient shards against one process's, a wrong one named when a usual
+mistake recomputed from the ranks' own gradients explains it, then losses and weights after several AdamW steps
+against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes.
+"""
+import math
+
+import torch.distributed as dist
+
+from utils import fsdp
+from utils import nd_parallel as nd
+from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff
+from utils.launch import runnable_world_sizes, spawn, under_torchrun
+from utils.transformer import TransformerSizes, build_transformer, lm_loss, make_tokens, train_transformer_reference
+
+# ---------------------------------------------------------------- section 1: the mesh
+
+RANK_SHAPES = {8: [(2, 2, 2), (1, 2, 4), (4, 2), (2, 4, 1)], 4: [(1, 2, 2), (2, 2), (4, 1, 1)], 2: [(1, 1, 2), (2, 1)]}
+LAYOUT_SHAPES = [(2, 2, 1), (1, 2, 4), (4, 2), (2, 3, 2), (3, 1, 2), (6,)]  # DeviceMesh's layout, on one process
+
+
+def _device_mesh_main(rank, world_size, shapes):
+    found = [nd.device_mesh_groups(shape, nd.MESH_3D[-len(shape):] if len(shape) < 3 else nd.MESH_3D)
+             for shape in shapes]
+    dist.barrier()  # every rank has finished connecting its groups before any returns and hangs up
+    return found
+
+
+def _strides(shape):
+    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
+def _position(rank, shape, strides):
+    """Coordinates and groups as a mesh with these strides lays ranks out."""
+    coordinates = tuple(rank // stride % size for stride, size in zip(strides, shape))
+    groups = [[rank + (k - c) * stride for k in range(size)] for c, stride, size in zip(coordinates, strides, shape)]
+    return coordinates, groups
+
+
+def _mesh_mistakes(rank, shape):
+    """(coordinates, groups, hint) of each usual mistake, for this rank and shape."""
+    row_major = _strides(shape)
+    column_major = [math.prod(shape[:i]) for i in range(len(shape))]
+    coordinates, groups = _position(rank, shape, row_major)
+    world = math.prod(shape)
+    complement = [[r for r in range(world) if _position(r, shape, row_major)[0][i] == c]
+                  for i, c in enumerate(coordinates)]
+    consecutive = [[rank - rank % size + k for k in range(size)] for size in shape]
+    mistakes = [(*_position(rank, shape, column_major), "column-major order: the first coordinate varies fastest; "
+                 "init_device_mesh lays ranks out row-major (torch.arange(W).view(shape)): the LAST coordinate varies "
+                 "fastest, stride of dimension i = product of the sizes after it"),
+                (*_position(rank, shape, row_major[::-1]), "the strides in reverse order: dimension i's stride is the "
+                 "product of the sizes AFTER it (the last dimension's is 1)"),
+                (coordinates, complement, "each group holds the ranks that SHARE this rank's coordinate in that "
+                 "dimension; a group is the ranks that differ from it in that coordinate only (it varies, the others "
+                 "stay fixed)"),
+                (coordinates, consecutive, "each group is a run of consecutive ranks: only the last dimension's is; "
+                 "dimension i's group steps by its stride")]
+    if len(shape) <= 3:
+        mistakes.append((*_position(rank, shape, (4, 2, 1)[:len(shape)]), f"right for (2, 2, 2) only: strides 4, 2, "
+                         f"1 written in; compute them from the shape {tuple(shape)}"))
+    return mistakes
+
+
+def _as_answer(answer):
+    coordinates, groups = answer
+    return tuple(int(c) for c in coordinates), [[int(r) for r in g] for g in groups]
+
+
+def _mesh_problem(mesh_position, shape, truth, source):
+    """The first rank whose answer is not `truth`'s (coordinates by rank, groups by rank), in words, or None. A
+    mistake is named when it gives the answer's values on every rank of the shape."""
+    answers = {}
+    for rank in range(math.prod(shape)):
+        try:
+            answers[rank] = _as_answer(mesh_position(rank, shape))
+        except (TypeError, ValueError) as e:
+            return f"mesh_position({rank}, {shape}) returned something that is not (coordinates, groups): {e}"
+    wrong = [rank for rank, got in answers.items() if got != truth[rank]]
+    if not wrong:
+        return None
+    rank, got = wrong[0], answers[wrong[0]]
+    where = f"mesh_position({rank}, {shape}) = {got}, but {source} gives {truth[rank]}"
+    if all(a[0] == truth[r][0] and [sorted(g) for g in a[1]] == truth[r][1] for r, a in answers.items()):
+        return (f"{where}: the same ranks in another order: list each group in increasing rank order (the order "
+                f"of the coordinate that varies)")
+    mistakes = {r: _mesh_mistakes(r, shape) for r in answers}
+    hint = next((mistakes[rank][i][2] for i in range(len(mistakes[rank]))
+                 if all(mistakes[r][i][:2] == answers[r] for r in answers)), None)
+    return where + (f": {hint}" if hint else "")
+
+
+def _layout_truth(shape):
+    """{rank: (coordinates, [its group in each dimension])} from DeviceMesh's layout."""
+    coordinates, groups = nd.device_mesh_layout(shape)
+    return {r: (c, [next(g for g in groups[i] if r in g) for i in range(len(shape))]) for r, c in coordinates.items()}
+
+
+def check_mesh_position(mesh_position, world_size):
+    """mesh_position(rank, shape) -> (coordinates, groups): equal to init_device_mesh's on the world's ranks for
+    every shape of its size (RANK_SHAPES), and to DeviceMesh's layout for LAYOUT_SHAPES."""
+    for n in runnable_world_sizes([world_size]):
+        shapes = RANK_SHAPES.get(n, [(n,), (1, n)])
+        on_ranks = spawn(_device_mesh_main, n, shapes, timeout=CHECK_TIMEOUT)
+        for i, shape in enumerate(shapes):
+            truth = {rank: (tuple(on_ranks[rank][i][0]), on_ranks[rank][i][1]) for rank in range(n)}
+            assert truth == _layout_truth(shape), f"nd.device_mesh_layout is not init_device_mesh's for {shape}"
+            problem = _mesh_problem(mesh_position, shape, truth, "init_device_mesh")
+            if problem:
+                raise AssertionError(problem)
+    for shape in LAYOUT_SHAPES:
+        problem = _mesh_problem(mesh_position, shape, _layout_truth(shape), "DeviceMesh's layout")
+        if problem:
+            raise AssertionError(problem)
+    print(f"mesh_position: coordinates and groups equal init_device_mesh's on {n} ranks for "
+          f"{', '.join(map(str, shapes))}, and DeviceMesh's layout for {', '.join(map(str, LAYOUT_SHAPES))}")
+
+
+# ---------------------------------------------------------------- section 2: FSDP x tensor (and sequence) parallel
+
+SIZES = TransformerSizes(vocab_size=32, dim=16, num_heads=4, num_layers=2, ffn_dim=32, seq_len=8, batch_size=4)
+NUM_STEPS = 3
+
+
+def meshes(world_size, sizes=SIZES):
+    """The (data, tensor) meshes of `world_size` ranks the sizes allow, the most mixed first ((2, 2) on 4 ranks:
+    each group then differs from the other and from the world)."""
+    shapes = [(d, world_size // d) for d in range(1, world_size + 1) if world_size % d == 0]
+    allowed = [s for s in shapes if sizes.batch_size % s[0] == 0 and sizes.num_heads % s[1] == 0
+               and sizes.ffn_dim % s[1] == 0 and sizes.seq_len % s[1] == 0]
+    return sorted(allowed, key=lambda s: abs(math.log(s[0] / s[1])))
+
+
+def reference_gradients(sizes, seed=0):
+    """One process's gradients at the first step, by name."""
+    model, (inputs, targets) = build_transformer(sizes, seed), make_tokens(sizes, seed, 0)
+    lm_loss(model(inputs), targets).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _expected_shard(grad, name, coordinate, data_parallel, tensor_parallel):
+    d, t = coordinate
+    return fsdp.shard(nd.tensor_shard(name, grad, t, tensor_parallel), d, data_parallel)
+
+
+WRONG_GROUP = {
+    ("tensor parallel", "data"): "the tensor-parallel collectives ran on the data group: the blocks' all-gathers "
+                                 "and reduce-scatters along the sequence belong to the tensor group "
+                                 "(tensor_sequence_parallel(model, tensor_group))",
+    ("tensor parallel", "world"): "the tensor-parallel collectives ran on the whole world: they belong to the tensor "
+                                  "group",
+    ("unshard", "tensor"): "FSDP's all-gather ran on the tensor group: shard every parameter over the data group "
+                           "(FlatShards(model, data_group))",
+    ("unshard", "world"): "FSDP's all-gather ran on the whole world: shard over the data group",
+    ("reduce-scatter", "world"): "FSDP's reduce-scatter ran on the whole world instead of the data group: the world "
+                                 "holds different tensor-parallel shards (and chunks of the sequence), and a shard "
+                                 "has 1/data, not 1/world, of each weight",
+    ("reduce-scatter", "tensor"): "FSDP's reduce-scatter ran on the tensor group: it belongs to the data group, whose "
+                                  "ranks hold copies of the same weights",
+    ("all-reduce", "data"): "the whole weights' gradients were all-reduced on the data group: the reduce-scatter "
+                            "already summed over it; they need a sum over the TENSOR group, whose ranks each saw "
+                            "a chunk of the sequence",
+    ("all-reduce", "world"): "the whole weights' gradients were all-reduced on the whole world: over the data group "
+                             "the reduce-scatter already summed; all-reduce over the tensor group",
+}
+
+
+def _group_problem(run, mesh):
+    """The first collective on a wrong group, in words (a hint when the groups differ on this mesh), or None."""
+    data_parallel, tensor_parallel = mesh
+    used = [("tensor parallel", group) for phase in ("forward", "backward") for _, group in run.calls[phase]]
+    used += [("unshard", group) for _, group in run.calls["unshard"]]
+    used += [("reduce-scatter" if name.startswith("reduce_scatter") else "all-reduce" if name == "all_reduce"
+              else name, group) for name, group in run.calls["sync"]]
+    want = {"tensor parallel": "tensor", "unshard": "data", "reduce-scatter": "data", "all-reduce": "tensor"}
+    for what, group in used:
+        if group != want.get(what, group):
+            return f"on mesh (data, tensor) = {mesh}, rank {run.coordinate}: " + WRONG_GROUP.get(
+                (what, group), f"a {what} ran on the {group} group, expected the {want[what]} group")
+    if "reduce-scatter" not in {w for w, _ in used} and data_parallel > 1:
+        return (f"on mesh {mesh}, rank {run.coordinate}: sync_gradients made no reduce-scatter: each shard's gradient "
+                f"is the data group's mean, reduce-scattered")
+    return None
+
+
+def _gradient_problem(runs, mesh, grads):
+    data_parallel, tensor_parallel = mesh
+    for run in runs:
+        for name, grad in grads.items():
+            want = _expected_shard(grad, name, run.coordinate, data_parallel, tensor_parallel)
+            got = run.synced[name]
+            where = f"on mesh (data, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
+            if got is None:
+                return f"{where} is None: sync_gradients must set shards[name].grad for every parameter"
+            if close(got, want):
+                continue
+            if got.shape != want.shape:
+                return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}: the shard's own shape " \
+                       f"(1/data of this rank's parameter)"
+            hint = confirmed(got, _gradient_mistakes(runs, run, name, want, mesh, grads))
+            return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
+                f": {hint}" if hint else "")
+    return None
+
+
+def _gradient_mistakes(runs, run, name, want, mesh, grads):
+    """(value, hint) of each usual mistake for this rank's shard of `name`, recomputed from the ranks' own
+    gradients before the sync (run.unsynced) and one process's (`grads`)."""
+    data_parallel, tensor_parallel = mesh
+    d, t = run.coordinate
+    world = data_parallel * tensor_parallel
+    mine = [r for r in runs if r.coordinate[1] == t]  # this rank's data group: copies of the same tensor shard
+    data_mean = fsdp.shard(sum(r.unsynced[name] for r in mine) / data_parallel, d, data_parallel)
+    mistakes = []
+    if not nd.sharded_over_tensor(name) and tensor_parallel > 1:
+        if name.startswith("layers."):
+            hint = ("the norms' gradients were not all-reduced over the tensor group: a norm's weight is whole on "
+                    "every tensor rank, but under sequence parallel each rank's norm saw only its chunk of the "
+                    "sequence, so its gradient is partial: sum it over the tensor group (the classic silent bug of "
+                    "composed parallelism: the run trains, the norms drift)")
+        else:
+            hint = (f"{name}'s gradient was not summed over the tensor group: the embedding, the final norm and the "
+                    f"LM head are whole on every tensor rank, each applied to the rank's chunk of the sequence, so "
+                    f"each rank holds a part of the gradient")
+        mistakes.append((data_mean, hint))
+    if world != data_parallel and _scaled_everywhere(run, grads, mesh, data_parallel / world):
+        mistakes.append((want * data_parallel / world, f"divided by the world size ({world}) instead of the data "
+                                                      f"size ({data_parallel}): the tensor ranks' shares add up, only "
+                                                      f"the data group's copies are averaged"))
+    if data_parallel > 1 and _scaled_everywhere(run, grads, mesh, data_parallel):
+        mistakes.append((want * data_parallel, f"it is {data_parallel} times too large: the sum over the data group, "
+                                               f"not its mean; divide by the data size"))
+    if not nd.sharded_over_tensor(name) and tensor_parallel > 1:
+        mistakes.append((want / tensor_parallel, f"the whole weights' gradients were averaged over the tensor group "
+                                                 f"(divided by {tensor_parallel}): each tensor rank holds the part of "
+                                                 f"its chunk of the sequence, and the parts add up: sum them"))
+    if nd.sharded_over_tensor(name) and tensor_parallel > 1:
+        same_place = [r for r in runs if r.coordinate[0] == d]
+        total = sum(_expected_shard(grads[name], name, r.coordinate, data_parallel, tensor_parallel)
+                    for r in same_place)
+        mistakes.append((total, "a tensor-parallel shard's gradient was all-reduced over the tensor group: its rows "
+                                "(columns) are different heads (features) on each tensor rank, and sequence "
+                                "parallel's all-gather already brought every position's gradient: only the weights "
+                                "whole on every tensor rank are summed"))
+    return mistakes
+
+
+def _scaled_everywhere(run, grads, mesh, factor):
+    """Whether every shard's gradient on this rank is `factor` times one process's: a division wrong for all."""
+    return all(run.synced[name] is not None and close(run.synced[name], factor * _expected_shard(
+        grad, name, run.coordinate, *mesh)) for name, grad in grads.items())
+
+
+def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SIZES, num_steps=NUM_STEPS,
+                               mesh_shapes=None, seed=0):
+    """Train on each (data, tensor) mesh (default: every one `world_size` ranks allow, (2, 2) first on 4): the
+    collectives on their groups, the first step's gradient shards, then losses and weights after `num_steps` AdamW
+    steps, against one process (1e-12)."""
+    (n,) = runnable_world_sizes([world_size])
+    mesh_shapes = meshes(n, sizes) if mesh_shapes is None or under_torchrun() else list(mesh_shapes)
+    for mesh in mesh_shapes:
+        nd.check_sizes_2d(sizes, *mesh, n)  # a ValueError names what does not split, before any rank starts
+    grads = reference_gradients(sizes, seed)
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    passed = []
+    for mesh in mesh_shapes:
+        runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
+                     timeout=CHECK_TIMEOUT)
+        problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
+            (f"on mesh {mesh}, rank {run.coordinate}: {run.error}" for run in runs if run.error), None) or \
+            _gradient_problem(runs, mesh, grads)
+        if problem and passed:
+            problem += (f" (right on mesh {passed[0]}, wrong on {mesh}: is a size of one mesh written in? Take each "
+                        f"group's from dist.get_world_size(group))")
+        if problem:
+            raise AssertionError(problem)
+        passed.append(mesh)
+        got = nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh)
+        wrong = [name for name, w in weights.items() if not close(got[name], w)]
+        got_losses = nd.global_losses(runs, mesh[0])
+        if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
+            raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
+                                 f"the losses {[round(x, 6) for x in got_losses]} (one process: "
+                                 f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ: is every "
+                                 f"step's gradient synchronised the same way?")
+    shapes = ", ".join(f"{d} x {t}" for d, t in mesh_shapes)
+    print(f"FSDP x tensor (and sequence) parallel on {n} ranks, meshes (data x tensor) {shapes}: tensor-parallel "
+          f"collectives on the tensor group, FSDP's on the data group; every gradient shard of the first step, "
+          f"the losses and the weights after {num_steps} AdamW steps equal one process's (1e-12)")
+

@@ -1,0 +1,399 @@
+"""Parallelisms composed on one mesh (notebook 12): the mesh, then FSDP x tensor (and sequence) parallel.
+
+The mesh. W ranks laid out as a tensor of shape (data, pipeline, tensor), row-major as `init_device_mesh` lays them
+out: rank = ((d * P) + p) * T + t. A rank belongs to one group per dimension: the ranks that differ from it in that
+coordinate only. Each parallelism runs its collectives on its own dimension's group:
+
+    data      FSDP: all-gather of the parameters' shards, reduce-scatter of the gradients
+    pipeline  send / recv of activations forward, of their gradients backward, between neighbouring stages
+    tensor    TP + SP: all-gather and reduce-scatter along the sequence around each column/row pair,
+              all-reduce of the gradients of the weights every tensor rank holds whole
+
+2-D: FSDP x tensor (and sequence) parallel, on a (data, tensor) mesh. Inside a tensor group, each transformer block
+is notebook 09's tensor + sequence parallel block (utils.sequence_parallel, its collectives on the tensor group);
+the embedding, the final norm and the LM head stay whole on every tensor rank, each applied to the rank's chunk of
+the sequence. Across the data group, every parameter a rank holds (its tensor-parallel shard, or a whole weight) is
+sharded as notebook 05's FSDP shards a unit: flattened, padded, cut into `data` equal pieces (utils.fsdp.shard).
+
+A rank (d, t) trains on data rank d's sequences, and holds tensor rank t's chunk of their positions outside the
+column/row pairs; its loss is its chunk's share of the data rank's mean loss (the mean over its chunk / T), so that
+the shares of a tensor group add up to the data rank's loss.
+"""
+import contextlib
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from utils import fsdp, pytorch_reference
+from utils import sequence_parallel as sp
+from utils.counting import bytes_written
+from utils.intercept import intercept
+from utils.memory import MemoryTracker
+from utils.model import make_optimizer
+from utils.sizes import check_int, divide
+from utils.transformer import Transformer, build_transformer, lm_loss, make_tokens
+
+MESH_3D = ("data", "pipeline", "tensor")
+MESH_2D = ("data", "tensor")
+COLLECTIVES_ON = {"data": "FSDP: all-gather of the parameters' shards, reduce-scatter of the gradients",
+                  "pipeline": "send/recv: activations forward, their gradients backward, stage to stage",
+                  "tensor": "TP/SP: all-gather and reduce-scatter along the sequence around each column/row pair; "
+                            "all-reduce of the whole weights' gradients"}
+
+
+# ---------------------------------------------------------------- the mesh
+
+def check_mesh(shape, world_size, names=None):
+    """The mesh's sizes, as a tuple of ints, when they multiply to the world size; else a ValueError naming them."""
+    shape = tuple(check_int("mesh size", s) for s in shape)
+    names = names or tuple(f"dim {i}" for i in range(len(shape)))
+    if len(names) != len(shape):
+        raise ValueError(f"mesh shape {shape} has {len(shape)} dimensions, its names {names} {len(names)}")
+    if math.prod(shape) != check_int("world_size", world_size):
+        sizes = " x ".join(f"{n} {s}" for n, s in zip(names, shape))
+        raise ValueError(f"mesh {sizes} = {math.prod(shape)} ranks, but the world has {world_size}: the mesh's "
+                         f"sizes must multiply to the world size")
+    return shape
+
+
+def default_mesh(world_size, names=MESH_3D):
+    """A mesh of `world_size` ranks: 2 for each dimension from the last (tensor) while 2 divides what is left, the
+    rest on the first (data). 8 ranks: (2, 2, 2); 4: (1, 2, 2) in 3-D, (2, 2) in 2-D; 2: the tensor dimension."""
+    left, sizes = check_int("world_size", world_size), []
+    for _ in names[1:]:
+        size = 2 if left % 2 == 0 else 1
+        sizes.append(size)
+        left //= size
+    return (left, *reversed(sizes))
+
+
+def device_mesh_layout(shape):
+    """What DeviceMesh computes, on one process: (coordinates by rank, groups by dimension, each a list of rank
+    lists). Its layout is torch.arange(W).view(shape); the groups of dimension i are the lines along i."""
+    mesh = torch.arange(math.prod(shape)).view(shape)
+    coordinates = {int(r): tuple(int(c) for c in torch.nonzero(mesh == r)[0]) for r in mesh.flatten()}
+    groups = [mesh.movedim(i, -1).reshape(-1, size).tolist() for i, size in enumerate(shape)]
+    return coordinates, groups
+
+
+def device_mesh_groups(shape, names):
+    """On a rank: (its coordinate, the ranks of each of its groups) as init_device_mesh builds them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return tuple(mesh.get_coordinate()), [dist.get_process_group_ranks(mesh.get_group(n)) for n in names]
+
+
+def mesh_picture(shape, names, mesh_position):
+    """Text: the ranks laid out on the mesh (2 or more dimensions: a grid of the last two per value of the others),
+    then each dimension's groups and what runs on them; everything from mesh_position(rank, shape)."""
+    position = {rank: mesh_position(rank, shape) for rank in range(math.prod(shape))}
+    grids = {}  # the other coordinates -> row -> the row's ranks, in column order
+    for rank, (coordinate, _) in sorted(position.items(), key=lambda item: tuple(item[1][0])):
+        *others, row, _ = coordinate
+        grids.setdefault(tuple(others), {}).setdefault(row, []).append(rank)
+    lines = []
+    for others, rows in grids.items():
+        lines.append(", ".join(f"{n} {c}" for n, c in zip(names, others)) + f":   {names[-1]} ->")
+        lines += [f"{f'  {names[-2]} {row}':>12}  " + " ".join(f"{r:>2}" for r in ranks) for row, ranks in rows.items()]
+    for i, name in enumerate(names):
+        groups = sorted({tuple(groups[i]) for _, groups in position.values()})
+        shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups)
+        lines.append(f"{name:>9} groups {shown:<28} {COLLECTIVES_ON.get(name, '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- 2-D: FSDP x tensor (and sequence) parallel
+
+def check_sizes_2d(sizes, data_parallel, tensor_parallel, world_size):
+    """The mesh fills the world; heads, MLP features and the sequence split over the tensor group; the batch over
+    the data group: a ValueError names what does not, before any rank starts."""
+    check_mesh((data_parallel, tensor_parallel), world_size, MESH_2D)
+    sp.check_sizes(sizes, tensor_parallel, "tensor_parallel")
+    return divide("batch_size", sizes.batch_size, "data_parallel", data_parallel,
+                  "each data-parallel rank trains on as many sequences")
+
+
+def mesh_groups(data_parallel, tensor_parallel):
+    """On a rank: the 2-D mesh's groups {"data": ..., "tensor": ...} and this rank's (data, tensor) coordinate."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=MESH_2D)
+    return {name: mesh.get_group(name) for name in MESH_2D}, tuple(mesh.get_coordinate())
+
+
+def sharded_over_tensor(name):
+    """Whether parameter `name` is a tensor-parallel shard (a column or row layer's weight): different heads
+    (features) on each tensor rank. The others (norms, embedding, LM head) are whole on every tensor rank."""
+    return name.endswith(sp.COLUMN + sp.ROW)
+
+
+def tensor_shard(name, weight, rank, tensor_parallel):
+    """What tensor rank `rank` holds of the model's parameter `name` (its rows, its columns, or all of it)."""
+    return sp.shard(name.split(".", 2)[-1] if name.startswith("layers.") else name, weight, rank, tensor_parallel)
+
+
+def tensor_sequence_parallel(model, group):
+    """Each block of `model` made tensor + sequence parallel over `group` (sp.ParallelBlock, in place); the
+    embedding, the final norm and the LM head stay whole, applied to this rank's chunk of the sequence."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    sp.check_sizes(model.sizes, size, "tensor_parallel")
+    for name, block in list(model.layers.items()):
+        model.layers[name] = sp.ParallelBlock(block, rank, size, sp.GatherFromSequenceParallelRegion,
+                                              sp.ReduceScatterToSequenceParallelRegion, group)
+    return model
+
+
+class FlatShards:
+    """FSDP over `group` of every parameter of `model` (whatever the model holds: tensor-parallel shards too).
+    `shards[name]`: this rank's flat 1/N of it (utils.fsdp.shard), the Parameter the optimizer steps. `unshard()`
+    all-gathers every parameter into the model (FSDP2's unshard; here once per step, before forward, as
+    fully_shard(reshard_after_forward=False)); `reshard()` frees the gathered weights and their gradients."""
+
+    def __init__(self, model, group):
+        self.model, self.group = model, group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.shards = {name: nn.Parameter(fsdp.shard(p, rank, size)) for name, p in model.named_parameters()}
+        self.reshard()
+
+    def parameters(self):
+        return list(self.shards.values())
+
+    def unshard(self):
+        size = dist.get_world_size(self.group)
+        for name, p in self.model.named_parameters():
+            shard = self.shards[name].detach()
+            flat = torch.empty(size * shard.numel(), dtype=shard.dtype)
+            dist.all_gather_single(flat, shard, group=self.group)
+            p.data = fsdp.unpad(flat, self.shapes[name])
+
+    def reshard(self):
+        for p in self.model.parameters():
+            p.data, p.grad = torch.empty(0, dtype=p.dtype), None
+
+
+def my_tokens(inputs, targets, coordinate, data_parallel, tensor_parallel):
+    """Rank (d, t)'s tokens: data rank d's sequences, tensor rank t's chunk of their positions."""
+    d, t = coordinate
+    return tuple(x.chunk(data_parallel, dim=0)[d].chunk(tensor_parallel, dim=1)[t] for x in (inputs, targets))
+
+
+def loss_share(model, inputs, targets, tensor_parallel, seq_len):
+    """This rank's chunk's share of its data rank's mean loss (the chunk's mean / T): the blocks see the whole
+    sequence's positions, the embedding and the LM head this rank's chunk."""
+    return lm_loss(model(inputs, torch.arange(seq_len)), targets) / tensor_parallel
+
+
+# ---------------------------------------------------------------- communication per group
+
+@contextlib.contextmanager
+def communication_by_group(groups):
+    """Record the block's communication calls (utils.intercept.Call), each with `.group`, the name of the group it
+    ran on ("world" for the default group, "other" for a group not in `groups`), and `.wire`, the bytes this
+    process wrote to its sockets while it ran (utils.counting.bytes_written; gloo's own traffic)."""
+    def name_of(group):
+        group = dist.group.WORLD if group is None else group  # a mesh dimension that spans every rank is WORLD
+        return next((name for name, g in groups.items() if g is group),
+                    "world" if group is dist.group.WORLD else "other")
+
+    def before(call, arguments):
+        call.group, call.wire = name_of(arguments.get("group")), bytes_written()
+
+    def after(call, arguments):
+        call.wire = None if call.wire is None else bytes_written() - call.wire
+
+    with intercept(before, after) as log:
+        yield log
+
+
+def bytes_per_group(log):
+    """{group name: bytes written to the sockets} of a communication_by_group log."""
+    totals = {}
+    for call in log:
+        totals[call.group] = totals.get(call.group, 0) + (call.wire or 0)
+    return totals
+
+
+def calls_per_group(log):
+    """{(group name, collective): (calls, bytes handed to them)} of a communication_by_group log."""
+    counts = {}
+    for call in log:
+        name = next((c for c in ("all_gather", "reduce_scatter", "all_reduce") if call.name.startswith(c)), call.name)
+        calls, nbytes = counts.get((call.group, name), (0, 0))
+        counts[(call.group, name)] = (calls + 1, nbytes + call.nbytes)
+    return counts
+
+
+def local_numels(sizes, tensor_parallel):
+    """{name: elements} a tensor rank holds of each parameter, before FSDP shards it."""
+    with torch.device("meta"):
+        model = Transformer(sizes)
+    return {name: p.numel() // (tensor_parallel if sharded_over_tensor(name) else 1)
+            for name, p in model.named_parameters()}
+
+
+def formula_bytes_2d(sizes, data_parallel, tensor_parallel, element_size=8, reduce_scatter=2):
+    """{group: bytes a rank writes per step} by the ring formulas: an all-gather of S bytes (the gathered size)
+    sends (N-1)/N S, an all-reduce 2(N-1)/N S, a reduce-scatter of an S-byte input `reduce_scatter` (N-1)/N S: 2 on
+    gloo (it all-reduces), 1 on a ring-optimal backend (NCCL). Per step: the data group all-gathers and
+    reduce-scatters every parameter a rank holds (padded to a multiple of D); the tensor group all-gathers and
+    reduce-scatters the activations, M = (B/D) S h e, four times per block (two pairs, forward and backward), and
+    all-reduces the shards of the whole weights' gradients."""
+    d, t = data_parallel, tensor_parallel
+    numels = {name: d * fsdp.shard_numel(n, d) for name, n in local_numels(sizes, t).items()}
+    held = sum(numels.values()) * element_size
+    whole = sum(n // d for name, n in numels.items() if not sharded_over_tensor(name)) * element_size
+    activations = sizes.batch_size // d * sizes.seq_len * sizes.dim * element_size
+    ring = {n: (n - 1) / n for n in (d, t)}
+    return {"data": ring[d] * held * (1 + reduce_scatter),
+            "tensor": 4 * sizes.num_layers * ring[t] * activations * (1 + reduce_scatter) + 2 * ring[t] * whole}
+
+
+def formula_memory_2d(sizes, data_parallel, tensor_parallel, element_size=8):
+    """{group: bytes} of model state a rank holds at the step's peak, as utils.memory.MemoryTracker counts it:
+    parameters, its shards (1/D of the P_t elements its tensor rank holds, padded) and the gathered weights (P_t);
+    gradients, the same two; optimizer state, AdamW's two moments of the shards and a 4-byte step count per tensor."""
+    numels = local_numels(sizes, tensor_parallel)
+    shards = sum(fsdp.shard_numel(n, data_parallel) for n in numels.values()) * element_size
+    gathered = sum(numels.values()) * element_size
+    return {"parameters": shards + gathered, "gradients": shards + gathered,
+            "optimizer state": 2 * shards + 4 * len(numels)}
+
+
+# ---------------------------------------------------------------- a 2-D run, recorded
+
+@dataclasses.dataclass
+class Run2D:
+    coordinate: tuple
+    groups: dict  # name: the global ranks of this rank's group
+    losses: list = dataclasses.field(default_factory=list)  # this rank's loss share, by step
+    shards: dict = None  # name: this rank's flat shard after the last step
+    unsynced: dict = None  # first step: name: the gradient of the whole (unsharded) parameter, before the sync
+    synced: dict = None  # first step: name: the shard's gradient after the sync
+    calls: dict = None  # first step: phase ("unshard", "forward", "backward", "sync"): [(collective, group)]
+    bytes: dict = None  # first step: group: bytes written to the sockets
+    counts: dict = None  # first step: (group, collective): (calls, bytes handed to them)
+    peak: dict = None  # second step (optimizer state exists): model state at its peak, {"parameters": ..., ...}
+    seconds: list = dataclasses.field(default_factory=list)  # each step's time
+    error: str = ""  # what sync_gradients raised, if it did (the run stops there)
+
+
+def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_parallel, tensor_parallel, num_steps,
+                  seed=0, lr=1e-2, track_memory=False):
+    """Train the course's transformer on the (data, tensor) mesh: model, shards = parallelize(model, tensor group,
+    data group); each step unshard, forward and backward of this rank's loss share, sync_gradients(model,
+    shards.shards, tensor group, data group) (which must set every shard's .grad), AdamW on the shards. The first
+    step is recorded (Run2D); with track_memory, the model state's peak over the second (utils.memory)."""
+    groups, coordinate = mesh_groups(data_parallel, tensor_parallel)
+    run = Run2D(coordinate, {name: dist.get_process_group_ranks(g) for name, g in groups.items()})
+    model, shards = parallelize(build_transformer(sizes, seed), groups["tensor"], groups["data"])
+    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
+    for step in range(num_steps):
+        inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate, data_parallel, tensor_parallel)
+        phases, tracked = {}, track_memory and step == min(1, num_steps - 1)
+        tracker = MemoryTracker(lambda: shards.parameters() + list(model.parameters()), optimizer)
+        start = time.perf_counter()
+        with communication_by_group(groups) as log, (tracker if tracked else contextlib.nullcontext()):
+            mark = _phase_marker(log, phases)
+            shards.unshard()
+            mark("unshard")
+            loss = loss_share(model, inputs, targets, tensor_parallel, sizes.seq_len)
+            mark("forward")
+            loss.backward()
+            mark("backward")
+            if step == 0:
+                run.unsynced = {name: p.grad.clone() for name, p in model.named_parameters()}
+            try:
+                sync_gradients(model, shards.shards, groups["tensor"], groups["data"])
+            except RuntimeError as e:  # a collective refused its tensors (a shard's size for another group)
+                run.error = f"sync_gradients raised {type(e).__name__}: {str(e).splitlines()[0]}"
+            mark("sync")
+            if run.error:
+                run.calls = phases
+                return run
+            if step == 0:
+                run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
+                run.calls, run.bytes, run.counts = phases, bytes_per_group(log), calls_per_group(log)
+            optimizer.step()
+            optimizer.zero_grad()
+            shards.reshard()
+        run.seconds.append(time.perf_counter() - start)
+        run.losses.append(loss.item())
+        run.peak = tracker.peak if tracked else run.peak
+    run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
+    return run
+
+
+def measure_2d(parallelize, sync_gradients, sizes, data_parallel, tensor_parallel, seed=0):
+    """Two steps of train_2d_main on data x tensor ranks, measured; per rank, in rank order: {"bytes": {group: bytes
+    written to the sockets in the first step}, "calls": {(group, collective): (calls, bytes handed to them)},
+    "peak": {model state group: bytes at the second step's peak}}. What the planner's predictions are checked
+    against."""
+    from utils.launch import spawn
+
+    check_sizes_2d(sizes, data_parallel, tensor_parallel, data_parallel * tensor_parallel)
+    runs = spawn(train_2d_main, data_parallel * tensor_parallel, parallelize, sync_gradients, sizes, data_parallel,
+                 tensor_parallel, 2, seed, track_memory=True)
+    return [{"bytes": run.bytes, "calls": run.counts, "peak": run.peak} for run in runs]
+
+
+def train_pytorch_2d_main(rank, world_size, sizes, data_parallel, tensor_parallel, num_steps, seed=0, lr=1e-2):
+    """PyTorch's composition (pytorch_reference.fsdp_tensor_parallel_transformer) trained as train_2d_main trains
+    ours: (each step's loss (the data rank's, whole on each of its tensor ranks), the weights at the end (whole),
+    each step's seconds, each step's bytes written to the sockets)."""
+    model, mesh = pytorch_reference.fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed)
+    data_rank = mesh.get_coordinate()[0]
+    optimizer = make_optimizer(model.parameters(), "adamw", lr)
+    losses, seconds, wire = [], [], []
+    for step in range(num_steps):
+        inputs, targets = (x.chunk(data_parallel)[data_rank] for x in make_tokens(sizes, seed, step))
+        start, written = time.perf_counter(), bytes_written()
+        loss = lm_loss(model(inputs, torch.arange(sizes.seq_len)), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+        wire.append(None if written is None else bytes_written() - written)
+        losses.append(loss.item())
+    weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
+    return losses, weights, seconds, wire
+
+
+def _phase_marker(log, phases):
+    """mark(phase): the calls made since the last mark are `phase`'s, as (collective, group name)."""
+    start = [0]
+
+    def mark(phase):
+        phases[phase] = [(call.name, call.group) for call in log[start[0]:]]
+        start[0] = len(log)
+    return mark
+
+
+def full_weights(runs, shapes, data_parallel, tensor_parallel):
+    """The model's weights from every rank's shards (in the parent): each tensor rank's parameter from its data
+    group's flat shards, then the tensor ranks' pieces joined (columns' rows, rows' columns; a whole weight: tensor
+    rank 0's). `shapes`: the single-process model's, by name; `runs` in rank order (rank = d * T + t)."""
+    weights = {}
+    for name, shape in shapes.items():
+        pieces = []
+        for t in range(tensor_parallel):
+            local = tensor_shard(name, torch.empty(shape), t, tensor_parallel).shape
+            flat = torch.cat([runs[d * tensor_parallel + t].shards[name] for d in range(data_parallel)])
+            pieces.append(fsdp.unpad(flat, local))
+        if name.endswith(sp.COLUMN):
+            weights[name] = torch.cat(pieces, dim=0)
+        elif name.endswith(sp.ROW):
+            weights[name] = torch.cat(pieces, dim=1)
+        else:
+            weights[name] = pieces[0]
+    return weights
+
+
+def global_losses(runs, data_parallel):
+    """The batch's loss at each step: the loss shares summed over every rank, divided by the data size."""
+    return [sum(run.losses[step] for run in runs) / data_parallel for step in range(len(runs[0].losses))]
