@@ -56,7 +56,7 @@ class Model:
         check_int("optimizer_bytes", self.optimizer_bytes, 0)  # 0: plain SGD
         check_int("num_kv_heads", self.num_kv_heads, 0)
         divide("dim", self.dim, "num_heads", self.num_heads, "every head gets dim / num_heads features")
-        divide("num_heads", self.num_heads, "num_kv_heads", self.kv_heads, "query heads share key/value heads in groups")
+        divide("num_heads", self.num_heads, "num_kv_heads", self.kv_heads, "query heads share key/value heads evenly")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
 
@@ -309,7 +309,7 @@ def compute_seconds(model, cluster, config, global_batch):
 
 
 def step_seconds(model, cluster, config, global_batch):
-    """{compute, tp, cp, ep, pp, bubble, dp, step} in seconds, for one device of the first stage.
+    """{compute, tp, cp, ep, pp, bubble, dp, exposed, step} in seconds, for one device of the first stage.
 
     tp: per layer, micro-batch and pass, each column/row pair is an all-gather plus a reduce-scatter of the
         micro-batch's activations b (s/cp) h (notebook 09, sequence parallel); two pairs per dense layer, one (the
@@ -323,7 +323,9 @@ def step_seconds(model, cluster, config, global_batch):
         bubble: (pp-1)/m of the micro-batches' time (1F1B: (p-1)/(m+p-1) of the step).
     dp: once per step over dp x cp (and dp x cp/ep for experts): ZeRO-0 an all-reduce of the gradients, ZeRO-1/2
         a reduce-scatter and an all-gather of the weights, ZeRO-3 two all-gathers and a reduce-scatter
-        (notebook 05); overlapped with the whole compute (buckets, prefetch): what that does not hide counts.
+        (notebook 05); overlapped with the whole compute (buckets, prefetch): what that does not hide counts, and
+        at least one layer's share (the first gather comes before any compute, the last gradients after it all).
+        cp likewise: at least each layer's last hop home.
     tp, ep and pp transfers are on the critical path: not overlapped.
     """
     m = check_config(model, cluster, global_batch, config)
@@ -351,17 +353,18 @@ def step_seconds(model, cluster, config, global_batch):
     t["pp"] = 2 * m * seconds("pp", "send", activations // c.tp)
     t["bubble"] = (c.pp - 1) / m * (t["compute"] + t["tp"] + t["ep"])
     t["dp"] = data_parallel_seconds(model, c, links)
-    exposed = max(0.0, t["dp"] - t["compute"]) + max(0.0, t["cp"] - attention)
-    t["step"] = t["compute"] + t["tp"] + t["ep"] + t["pp"] + t["bubble"] + exposed
+    first_and_last = t["dp"] / layers  # FSDP's first gather before any compute, the last layer's gradients after
+    last_hops = m * layers * seconds("cp", "send", kv_block)  # each backward's gradients' hop home, after the compute
+    t["exposed"] = max(t["dp"] - t["compute"], first_and_last) + max(t["cp"] - attention, last_hops)
+    t["step"] = t["compute"] + t["tp"] + t["ep"] + t["pp"] + t["bubble"] + t["exposed"]
     return t
 
 
 def data_parallel_collectives(zero_stage):
     """[(op, what)] each step on the data axis (notebook 05): what = 'gradients' or 'parameters'."""
-    return {0: [("all_reduce", "gradients")],
-            1: [("reduce_scatter", "gradients"), ("all_gather", "parameters")],
-            2: [("reduce_scatter", "gradients"), ("all_gather", "parameters")],
-            3: [("all_gather", "parameters"), ("all_gather", "parameters"), ("reduce_scatter", "gradients")]}[zero_stage]
+    sharded = [("reduce_scatter", "gradients"), ("all_gather", "parameters")]
+    return {0: [("all_reduce", "gradients")], 1: sharded, 2: sharded,
+            3: [("all_gather", "parameters")] + sharded[::-1]}[zero_stage]
 
 
 def data_parallel_seconds(model, config, links):
@@ -412,14 +415,19 @@ def estimate(model, cluster, global_batch, config):
     return row
 
 
+def estimates(model, cluster, global_batch, **choices):
+    """A row for every valid configuration (choices: those of `configs`), fitting in memory or not."""
+    return [estimate(model, cluster, global_batch, c) for c in configs(model, cluster, global_batch, **choices)]
+
+
 def plan(model, cluster, global_batch, **choices):
     """The configurations that fit in memory, fastest step first (ties: less memory first)."""
-    rows = [estimate(model, cluster, global_batch, c) for c in configs(model, cluster, global_batch, **choices)]
+    rows = estimates(model, cluster, global_batch, **choices)
     return sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"], r["memory_gb"]))
 
 
 COLUMNS = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "micro_batches", "recompute", "zero_stage",
-           "memory_gb", "step_s", "compute_s", "tp_s", "pp_s", "bubble_s", "ep_s", "dp_s", "cp_s")
+           "memory_gb", "step_s", "compute_s", "tp_s", "pp_s", "bubble_s", "ep_s", "dp_s", "cp_s", "exposed_s")
 
 
 def format_rows(rows, columns=COLUMNS):
@@ -442,6 +450,8 @@ def format_rows(rows, columns=COLUMNS):
 # (tok_embeddings, norm, output) once, and reduce-scatters every unit's gradients, per micro-batch (its defaults);
 # tensor parallel shards wq, wk, wv, w1 by rows and wo, w2 by columns (utils.sequence_parallel), and leaves the
 # embeddings, the norms and output whole; sequence parallel all-reduces the two norms' weight gradients per layer.
+# Checked against FSDP2 on this model (tests/test_planner.py): the bytes its all-gathers return and its
+# reduce-scatters keep, call by call, and what gloo writes to the sockets (within 2%: message headers).
 
 def fsdp_unit_bytes(shapes, world_size, element_size):
     """The bytes a unit's all-gather returns, padded as FSDP2 pads: every parameter cut along dim 0 into world_size
@@ -495,43 +505,50 @@ def expert_dispatch_bytes_per_token(dim, top_k, element_size):
     return 2 * top_k * dim * element_size * 2
 
 
+def small_model_units(sizes, tp=1, pp=1, stage=0):
+    """{FSDP unit: [parameter shapes on one tensor-parallel rank]} of utils.transformer's model on pipeline stage
+    `stage`: one unit per layer, and the root's own parameters (tok_embeddings on the first stage, the final norm and
+    output on the last). Tensor parallel cuts wq, wk, wv, w1 by rows, wo, w2 by columns; norms and embeddings whole."""
+    from utils.pipeline import stage_layers  # the course's split: the first L % p stages take one more layer
+    from utils.sequence_parallel import COLUMN, ROW
+
+    divide("num_heads", sizes.num_heads, "tp", tp, "each tensor-parallel rank computes whole heads")
+    divide("ffn_dim", sizes.ffn_dim, "tp", tp, "each tensor-parallel rank holds as many MLP features")
+    d, v, f = sizes.dim, sizes.vocab_size, sizes.ffn_dim
+    block = {"attention_norm.weight": (d,), "attention.wq.weight": (d, d), "attention.wk.weight": (d, d),
+             "attention.wv.weight": (d, d), "attention.wo.weight": (d, d), "ffn_norm.weight": (d,),
+             "feed_forward.w1.weight": (f, d), "feed_forward.w2.weight": (d, f)}
+
+    def on_rank(name, shape):
+        if name in COLUMN:
+            return (shape[0] // tp, *shape[1:])
+        return (shape[0], shape[1] // tp) if name in ROW else shape
+
+    units = {f"layers.{i}": [on_rank(n, s) for n, s in block.items()]
+             for i in stage_layers(sizes.num_layers, pp)[check_int("stage", stage, 0)]}
+    units["root"] = [(v, d)] * (stage == 0) + [(d,), (v, d)] * (stage == pp - 1)
+    return units
+
+
 def small_model_bytes(sizes, dp=1, tp=1, pp=1, cp=1, num_micro_batches=1, stage=0, element_size=8, backend="gloo",
                       sequence_parallel=True):
     """{group: bytes} that one rank of pipeline stage `stage` sends in one training step of utils.transformer's
     model (TransformerSizes `sizes`, float64 by default) on the mesh (pp, dp, cp, tp), with the assumptions above.
     The batch is split over dp and then into micro-batches; the sequence over cp (ring attention)."""
-    from utils.pipeline import stage_layers  # the course's split: the first L % p stages take one more layer
-    from utils.sequence_parallel import COLUMN, ROW
-
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("num_micro_batches", num_micro_batches)):
         check_int(name, value)
     micro = divide("batch_size / dp", divide("batch_size", sizes.batch_size, "dp", dp, "replicas get equal batches"),
                    "num_micro_batches", num_micro_batches, "micro-batches are equal")
     seq = divide("seq_len", sizes.seq_len, "cp", cp, "every context-parallel rank holds a chunk")
-    divide("num_heads", sizes.num_heads, "tp", tp, "each tensor-parallel rank computes whole heads")
     if sequence_parallel and tp > 1:
         divide("seq_len / cp", seq, "tp", tp, "sequence parallel splits each rank's chunk over tp")
-    layers = stage_layers(sizes.num_layers, pp)[check_int("stage", stage, 0)]
-
-    def tp_shape(name, shape):
-        leaf = name.split(".", 2)[-1]
-        if leaf in COLUMN:
-            return (shape[0] // tp, *shape[1:])
-        return (shape[0], shape[1] // tp) if leaf in ROW else shape
-
-    d, v, f = sizes.dim, sizes.vocab_size, sizes.ffn_dim
-    block = {"attention_norm.weight": (d,), "attention.wq.weight": (d, d), "attention.wk.weight": (d, d),
-             "attention.wv.weight": (d, d), "attention.wo.weight": (d, d), "ffn_norm.weight": (d,),
-             "feed_forward.w1.weight": (f, d), "feed_forward.w2.weight": (d, f)}
-    units = {f"layers.{i}": [tp_shape(f"layers.{i}.{n}", s) for n, s in block.items()] for i in layers}
-    root = [(v, d)] * (stage == 0) + [(d,), (d, v)] * (stage == pp - 1)
-    units["root"] = root  # tok_embeddings on the first stage, norm and output on the last: whole on every tp rank
-    m = num_micro_batches
+    units = small_model_units(sizes, tp, pp, stage)
+    layers, m, d = len(units) - 1, num_micro_batches, sizes.dim
     sent = {"dp": m * fsdp_bytes(units, dp * cp, element_size, backend, gathers={"root": 1}) if dp * cp > 1 else 0.0}
-    sent["tp"] = (m * len(layers) * tensor_parallel_layer_bytes(micro, seq, d, tp, element_size, backend,
-                                                               sequence_parallel) if tp > 1 else 0.0)
+    sent["tp"] = (m * layers * tensor_parallel_layer_bytes(micro, seq, d, tp, element_size, backend, sequence_parallel)
+                  if tp > 1 else 0.0)
     hand_off = micro * seq * d * element_size / (tp if sequence_parallel else 1)
     sent["pp"] = m * hand_off * ((stage < pp - 1) + (stage > 0))
-    sent["cp"] = (m * len(layers) * ring_attention_bytes(micro, sizes.num_heads // tp, sizes.seq_len,
-                                                         sizes.head_dim, cp, element_size) if cp > 1 else 0.0)
+    sent["cp"] = (m * layers * ring_attention_bytes(micro, sizes.num_heads // tp, sizes.seq_len, sizes.head_dim, cp,
+                                                    element_size) if cp > 1 else 0.0)
     return sent
