@@ -328,7 +328,10 @@ def step_seconds(model, cluster, config, global_batch):
         cp likewise: at least each layer's last hop home.
     tp, ep and pp transfers are on the critical path: not overlapped.
     """
-    m = check_config(model, cluster, global_batch, config)
+    return _step_seconds(model, cluster, config, global_batch, check_config(model, cluster, global_batch, config))
+
+
+def _step_seconds(model, cluster, config, global_batch, m):
     links, c = group_links(cluster, config), config
     layers = model.num_layers // c.pp
     passes = 3 if c.recompute == "full" else 2
@@ -388,36 +391,46 @@ def divisors(n):
 def configs(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
             zero_stages=(1, 3)):
     """Every Config that check_config accepts, from the given choices."""
+    return [config for config, _ in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages)]
+
+
+def _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages):
+    """(config, micro-batches) for every valid config: each split is checked once, since recomputation and the
+    ZeRO stage never make one invalid."""
     n = cluster.num_devices
     for tp, pp, cp in itertools.product(divisors(n), repeat=3):
         if n % (tp * pp * cp):
             continue
         dp = n // (tp * pp * cp)
-        for ep, mbs, recompute, zero in itertools.product(divisors(dp * cp), micro_batch_sizes, recomputes,
-                                                          zero_stages):
-            config = Config(dp, tp, pp, cp, ep, mbs, recompute, zero)
+        for ep, mbs in itertools.product(divisors(dp * cp), micro_batch_sizes):
             try:
-                check_config(model, cluster, global_batch, config)
+                m = check_config(model, cluster, global_batch, Config(dp, tp, pp, cp, ep, mbs))
             except ValueError:
                 continue
-            yield config
+            for recompute, zero in itertools.product(recomputes, zero_stages):
+                yield Config(dp, tp, pp, cp, ep, mbs, recompute, zero), m
 
 
 def estimate(model, cluster, global_batch, config):
     """One row of the plan: the config, its memory per device and its step time, as a dict."""
-    m = check_config(model, cluster, global_batch, config)
+    return _estimate(model, cluster, global_batch, config, check_config(model, cluster, global_batch, config))
+
+
+def _estimate(model, cluster, global_batch, config, m):
     memory = memory_per_device(model, config, m)
-    seconds = step_seconds(model, cluster, config, global_batch)
-    row = dataclasses.asdict(config) | {"micro_batches": m, "memory_gb": memory["total"] / GB,
-                                        "fits": memory["total"] <= cluster.memory_bytes}
+    seconds = _step_seconds(model, cluster, config, global_batch, m)
+    row = dict(vars(config)) | {"micro_batches": m, "memory_gb": memory["total"] / GB,
+                                "fits": memory["total"] <= cluster.memory_bytes}
     row |= {f"{k}_s": v for k, v in seconds.items()}
     row["tokens_per_s"] = global_batch * model.seq_len / seconds["step"]
     return row
 
 
-def estimates(model, cluster, global_batch, **choices):
-    """A row for every valid configuration (choices: those of `configs`), fitting in memory or not."""
-    return [estimate(model, cluster, global_batch, c) for c in configs(model, cluster, global_batch, **choices)]
+def estimates(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
+              zero_stages=(1, 3)):
+    """A row for every valid configuration (the choices as `configs`'), fitting in memory or not."""
+    return [_estimate(model, cluster, global_batch, config, m)
+            for config, m in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages)]
 
 
 def plan(model, cluster, global_batch, **choices):
