@@ -294,8 +294,8 @@ def group_links(cluster, config):
 
 
 def flops_per_token(model):
-    """(the weights' 6 P_active, attention's 12 L s h): the course's training FLOPs per token, forward and backward,
-    the attention term for the whole sequence (notebook 12's handout)."""
+    """(the weights' 6 P_active, attention's 12 L s h): the course's training FLOPs per token, forward and backward
+    (6 P from the matrix products; attention's scores and their use over the whole sequence, Narayanan et al. 2021)."""
     return 6 * model.active_params, 12 * model.num_layers * model.seq_len * model.dim
 
 
@@ -339,9 +339,9 @@ def _step_seconds(model, cluster, config, global_batch, m):
     e = model.activation_bytes
     activations = c.micro_batch_size * s_local * model.dim * e
 
-    def seconds(group, op, size, count=1):
+    def seconds(group, op, size):
         n, link = links[group]
-        return count * collective_seconds(op, n, size, link) if n > 1 else 0.0
+        return collective_seconds(op, n, size, link) if n > 1 else 0.0
 
     pairs = 1 if model.moe else 2
     tp_pair = seconds("tp", "all_gather", activations) + seconds("tp", "reduce_scatter", activations)
@@ -352,7 +352,8 @@ def _step_seconds(model, cluster, config, global_batch, m):
     hops = (c.cp - 1) * (passes - 1) + (2 * c.cp - 1)
     t["cp"] = m * layers * hops * seconds("cp", "send", kv_block)
     tokens = c.micro_batch_size * s_local // c.tp
-    t["ep"] = m * layers * passes * 2 * seconds("ep", "all_to_all", tokens * model.top_k * model.dim * e) * model.moe
+    dispatch = seconds("ep", "all_to_all", tokens * model.top_k * model.dim * e) if model.moe else 0.0
+    t["ep"] = m * layers * passes * 2 * dispatch
     t["pp"] = 2 * m * seconds("pp", "send", activations // c.tp)
     t["bubble"] = (c.pp - 1) / m * (t["compute"] + t["tp"] + t["ep"])
     t["dp"] = data_parallel_seconds(model, c, links)
@@ -373,7 +374,7 @@ def data_parallel_collectives(zero_stage):
 def data_parallel_seconds(model, config, links):
     dense, experts = stage_params(model, config)
     n, link = links["dp"]
-    expert_link = link  # the expert data group is a subset of the data axis: at best as close
+    expert_link = link  # an expert's copies are ep ranks apart along the data axis: they span it as its group does
     total = 0.0
     for op, what in data_parallel_collectives(config.zero_stage):
         per_param = model.grad_bytes if what == "gradients" else model.param_bytes
