@@ -95,8 +95,8 @@ def check_memory_per_device(memory_per_device, model=MODEL, cases=CASES):
         answers.append({g: float(got[g]) for g in GROUPS})
     wants = [reference(model, config, m) for config, m in cases]
     if all(_same(got, want) for got, want in zip(answers, wants)):
-        print(f"memory per device: right on {len(cases)} splits of a {model.num_layers}-layer mixture of experts "
-              f"(every ZeRO stage, dp, tp, pp, cp and ep > 1)")
+        print(f"memory per device: right on {len(cases)} splits of a mixture of experts with {model.num_layers} "
+              f"layers (every ZeRO stage; dp, tp, pp, cp and ep > 1)")
         return
     wrong = [[hint for hint, numbers in mistakes(model, config, m) if _same(got, numbers)]
              for (config, m), got in zip(cases, answers)]
