@@ -254,3 +254,34 @@ def plot_units(rows, title):
         ax.set_xlabel("one unit per")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
+def plot_plan(cases, memory_gb, title):
+    """cases: {label: every estimate of utils.planner (rows)}. Left: memory per device against step time, one dot
+    per configuration, those that do not fit faded, the fastest that fits circled, the memory limit dashed. Right:
+    the fastest split that fits for each tensor-parallel size, relative to the fastest of all (notebook 12)."""
+    fig, (scatter_ax, tp_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for k, (label, rows) in enumerate(cases.items()):
+        color = f"C{k}"
+        fits, too_big = [r for r in rows if r["fits"]], [r for r in rows if not r["fits"]]
+        scatter_ax.scatter([r["step_s"] for r in too_big], [r["memory_gb"] for r in too_big], s=4, color=color,
+                           alpha=0.12)
+        scatter_ax.scatter([r["step_s"] for r in fits], [r["memory_gb"] for r in fits], s=6, color=color, label=label)
+        best = min(fits, key=lambda r: r["step_s"])
+        scatter_ax.scatter([best["step_s"]], [best["memory_gb"]], s=90, facecolors="none", edgecolors="black")
+        sizes = sorted({r["tp"] for r in fits})
+        fastest = [min(r["step_s"] for r in fits if r["tp"] == tp) / best["step_s"] for tp in sizes]
+        tp_ax.plot(sizes, fastest, "o-", color=color, label=label)
+    scatter_ax.axhline(memory_gb, color="gray", linestyle="--", label=f"{memory_gb:g} GB per device")
+    scatter_ax.set_xscale("log")
+    scatter_ax.set_yscale("log")
+    scatter_ax.set_xlabel("estimated step time (s, log scale)")
+    scatter_ax.set_ylabel("memory per device (GB, log scale)")
+    scatter_ax.legend(fontsize=7, markerscale=3)
+    tp_ax.set_xscale("log", base=2)
+    tp_ax.set_yscale("log")
+    tp_ax.set_xlabel("tensor-parallel size tp (beyond 8: across nodes)")
+    tp_ax.set_ylabel("fastest split with this tp / fastest of all")
+    tp_ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing

@@ -1,0 +1,321 @@
+"""The planner (notebook 12, section 5): its formulas against hand-computed values and the course's measured counts,
+its refusals, and the memory exercise's check against each wrong answer of its catalogue."""
+import dataclasses
+import math
+
+import pytest
+
+from utils import planner as pl
+from utils.checks.planner import CASES, MODEL, check_memory_per_device, mistakes
+from utils.launch import spawn
+from utils.notebooks import ROOT, solution
+from utils.transformer import TransformerSizes
+
+LLAMA2_7B = pl.Model(32, 4096, 32, 11008, 4096, 32000, ffn_matrices=3)
+LLAMA2_70B = pl.Model(80, 8192, 64, 28672, 4096, 32000, num_kv_heads=8, ffn_matrices=3)
+MIXTRAL = pl.Model(32, 4096, 32, 14336, 4096, 32000, num_kv_heads=8, num_experts=8, top_k=2, ffn_matrices=3)
+NVLINK, INFINIBAND = pl.Link(alpha=5e-6, beta=300e9), pl.Link(alpha=15e-6, beta=40e9)
+H100 = {"devices_per_node": 8, "memory_bytes": 80e9, "intra": NVLINK, "inter": INFINIBAND, "peak_flops": 989e12}
+TINY = pl.Model(num_layers=4, dim=16, num_heads=4, ffn_dim=32, seq_len=8, vocab_size=10)
+TINY_CLUSTER = pl.Cluster(8, 4, 1e6, pl.Link(1e-6, 1e9), pl.Link(1e-5, 1e8), 1e12, mfu=0.5)
+
+
+# ---------------------------------------------------------------- formulas against hand-computed values
+
+def test_parameter_counts_match_the_published_models():
+    # Hugging Face's counts for meta-llama/Llama-2-7b-hf, Llama-2-70b-hf and mistralai/Mixtral-8x7B-v0.1
+    assert LLAMA2_7B.num_params == 6_738_415_616
+    assert LLAMA2_70B.num_params == 68_976_648_192
+    assert MIXTRAL.num_params == 46_702_792_704
+    assert MIXTRAL.active_params == MIXTRAL.num_params - 32 * 6 * 3 * 4096 * 14336  # 6 of 8 experts idle per token
+
+
+def test_tiny_model_by_hand():
+    # layer: wq, wo 16x16; wk, wv 16x16 (no GQA); two norms; MLP 2 x 16x32
+    assert TINY.layer_dense_params == 4 * 256 + 32 + 2 * 512
+    assert TINY.num_params == 4 * 2080 + 2 * 160 + 16
+
+
+def test_collective_bytes_ring_and_gloo():
+    s = 1024
+    assert pl.collective_bytes("all_reduce", 4, s) == 1536  # 2(N-1)/N S
+    assert pl.collective_bytes("all_gather", 4, s) == pl.collective_bytes("reduce_scatter", 4, s) == 768
+    assert pl.collective_bytes("reduce_scatter", 4, s, "gloo") == 1536  # gloo all-reduces underneath
+    assert pl.collective_bytes("all_gather", 4, s, "gloo") == 768
+    assert pl.collective_bytes("all_to_all", 4, s) == 768 and pl.collective_bytes("send", 4, s) == s
+
+
+def test_collective_seconds_alpha_beta():
+    link = pl.Link(alpha=1e-5, beta=1e9)
+    assert math.isclose(pl.collective_seconds("all_reduce", 4, 4e6, link), 6e-5 + 6e6 / 1e9)
+    assert math.isclose(pl.collective_seconds("all_gather", 4, 4e6, link), 3e-5 + 3e6 / 1e9)
+    assert math.isclose(pl.collective_seconds("send", 2, 1e6, link), 1e-5 + 1e-3)
+    assert pl.collective_seconds("all_reduce", 1, 4e6, link) == 0.0
+
+
+def test_zero_sharding_by_stage():
+    model = dataclasses.replace(TINY, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    for stage, (p, g, o) in {0: (2, 2, 12), 1: (2, 2, 3), 2: (2, 0.5, 3), 3: (0.5, 0.5, 3)}.items():
+        assert pl.zero_sharded_bytes(100, model, 4, stage) == {"parameters": 100 * p, "gradients": 100 * g,
+                                                               "optimizer states": 100 * o}
+
+
+def test_cp_shares_the_data_axis_and_experts_divide_by_ep():
+    config = pl.Config(dp=2, cp=2, tp=1, pp=1, zero_stage=1)
+    dense, experts = pl.stage_params(TINY, config)
+    assert experts == 0 and dense == TINY.num_params
+    assert pl.model_state_bytes(TINY, config)["optimizer states"] == 12 * dense / 4
+    moe = pl.Model(4, 16, 4, 32, 8, 10, num_experts=4, top_k=1)
+    dense, experts = pl.stage_params(moe, pl.Config(dp=4, ep=2, tp=2, pp=2))
+    assert experts == 2 * 4 * (2 * 16 * 32) / 2  # 2 layers per stage, 4 experts, halved by ep
+    assert dense == (2 * moe.layer_dense_params + 10 * 16) / 2  # tok_embeddings on the first stage, halved by tp
+
+
+def test_activations_korthikanti():
+    # s = 8 / cp 2 = 4, b = 3, h = 16, a = 4, t = 2: sbh(34 + 5as/h)/t = 192 (34 + 5) / 2
+    config = pl.Config(dp=1, tp=2, pp=2, cp=2, micro_batch_size=3)
+    assert pl.layer_activation_bytes(TINY, config) == 192 * 39 / 2
+    assert pl.layer_activation_bytes(TINY, dataclasses.replace(config, recompute="selective")) == 192 * 34 / 2
+    assert pl.layer_activation_bytes(TINY, dataclasses.replace(config, recompute="full")) == 192 * 2 / 2
+    assert pl.layer_activation_bytes(dataclasses.replace(TINY, activation_bytes=4), config) == 192 * 39
+    # 1F1B: min(pp, m) micro-batches in flight on the first stage, each with num_layers / pp layers
+    assert pl.activation_bytes(TINY, config, 8) == 2 * 2 * 192 * 39 / 2
+    assert pl.activation_bytes(TINY, config, 1) == 1 * 2 * 192 * 39 / 2
+    full = dataclasses.replace(config, recompute="full")
+    assert pl.activation_bytes(TINY, full, 8) == 2 * 2 * 192 + 192 * 39 / 2  # plus one layer recomputed
+
+
+def test_groups_fill_a_node_from_the_inside():
+    cluster = pl.Cluster(64, 8, 80e9, NVLINK, INFINIBAND, 1e15)
+    links = pl.group_links(cluster, pl.Config(dp=2, tp=4, pp=4, cp=2))
+    assert links["tp"] == (4, NVLINK) and links["cp"] == (2, NVLINK)  # 4 x 2 = one node
+    assert links["dp"] == (4, INFINIBAND) and links["pp"] == (4, INFINIBAND)
+    assert pl.group_links(cluster, pl.Config(dp=8, tp=8))["tp"] == (8, NVLINK)
+
+
+def test_step_time_by_hand():
+    config = pl.Config(dp=2, tp=2, pp=2, cp=1, micro_batch_size=1, zero_stage=0)
+    m = pl.check_config(TINY, TINY_CLUSTER, 8, config)
+    assert m == 4
+    t = pl.step_seconds(TINY, TINY_CLUSTER, config, 8)
+    link = TINY_CLUSTER.intra
+    activations = 1 * 8 * 16 * 2
+    pair = 2 * (link.alpha + activations / 2 / link.beta)  # an all-gather and a reduce-scatter on 2 ranks
+    assert math.isclose(t["tp"], m * 2 * 2 * 2 * pair)  # micro-batches x layers x passes x pairs
+    assert math.isclose(t["pp"], 2 * m * (TINY_CLUSTER.inter.alpha + activations / 2 / TINY_CLUSTER.inter.beta))
+    flops = 6 * TINY.num_params + 12 * 4 * 8 * 16
+    assert math.isclose(t["compute"], flops * 8 * 8 / (8 * 1e12 * 0.5))
+    assert math.isclose(t["bubble"], (2 - 1) / m * (t["compute"] + t["tp"]))
+    dense, _ = pl.stage_params(TINY, config)
+    # (pp, dp, cp, tp): dp's 2 ranks are 2 apart, within a node of 4; pp's are 4 apart, across nodes
+    assert math.isclose(t["dp"], pl.collective_seconds("all_reduce", 2, dense * 2, TINY_CLUSTER.intra))
+    exposed = max(t["dp"] - t["compute"], t["dp"] / 2)  # at least one layer's share of the data-parallel time
+    assert math.isclose(t["step"], t["compute"] + t["tp"] + t["pp"] + t["bubble"] + exposed)
+
+
+# ---------------------------------------------------------------- the plan
+
+@pytest.fixture(scope="module")
+def plan_70b():
+    cluster = pl.Cluster(64, **H100)
+    return cluster, pl.plan(LLAMA2_70B, cluster, 256)
+
+
+def test_plan_lists_valid_fitting_configs_fastest_first(plan_70b):
+    cluster, rows = plan_70b
+    assert rows and all(r["fits"] and r["memory_gb"] * pl.GB <= cluster.memory_bytes for r in rows)
+    assert all(r["dp"] * r["tp"] * r["pp"] * r["cp"] == 64 for r in rows)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert "step_s" in pl.format_rows(rows[:3]).splitlines()[0]
+
+
+def test_a_config_that_does_not_fit_is_not_listed(plan_70b):
+    cluster, rows = plan_70b
+    ddp_like = pl.Config(dp=64, micro_batch_size=1, recompute="none", zero_stage=1)  # 69B x (4 + 12/64) bytes
+    assert not pl.estimate(LLAMA2_70B, cluster, 256, ddp_like)["fits"]
+    listed = {tuple(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "recompute", "zero_stage"))
+              for r in rows}
+    assert (64, 1, 1, 1, 1, 1, "none", 1) not in listed
+
+
+def test_configs_are_exactly_the_valid_ones():
+    configs = list(pl.configs(TINY, TINY_CLUSTER, 8, micro_batch_sizes=(1, 2), zero_stages=(1,)))
+    assert configs and len(configs) == len(set(configs))
+    for c in configs:
+        pl.check_config(TINY, TINY_CLUSTER, 8, c)
+    assert pl.Config(dp=1, tp=8) not in configs  # 4 heads
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("change, match", [
+    ({"dim": 0}, "dim must be at least 1"),
+    ({"num_layers": -2}, "num_layers must be at least 1"),
+    ({"num_heads": 3}, "dim 16 is not divisible by num heads 3"),
+    ({"num_kv_heads": 3}, "num heads 4 is not divisible by num kv heads 3"),
+    ({"top_k": 2}, "top_k 2 is more than num_experts 1"),
+])
+def test_bad_models_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(TINY, **change)
+
+
+def test_wrong_types_are_refused():
+    with pytest.raises(TypeError, match="seq_len must be an int"):
+        dataclasses.replace(TINY, seq_len=8.0)
+    with pytest.raises(TypeError, match="memory_bytes must be a number"):
+        pl.Cluster(8, 4, "80GB", NVLINK, INFINIBAND, 1e12)
+
+
+@pytest.mark.parametrize("cluster, match", [
+    (lambda: pl.Cluster(8, 4, -1.0, NVLINK, INFINIBAND, 1e12), "memory_bytes must be positive"),
+    (lambda: pl.Cluster(12, 8, 1e9, NVLINK, INFINIBAND, 1e12), "num devices 12 is not divisible by devices per node"),
+    (lambda: pl.Cluster(8, 4, 1e9, pl.Link(0, 0), INFINIBAND, 1e12), "intra.beta must be positive"),
+    (lambda: pl.Cluster(8, 4, 1e9, NVLINK, INFINIBAND, 1e12, mfu=1.5), r"mfu must be in \(0, 1\]"),
+])
+def test_bad_clusters_are_refused(cluster, match):
+    with pytest.raises(ValueError, match=match):
+        cluster()
+
+
+@pytest.mark.parametrize("config, batch, match", [
+    (pl.Config(dp=2, tp=2), 8, r"dp x tp x pp x cp = 2 x 2 x 1 x 1 = 4 is not the number of devices, 8"),
+    (pl.Config(dp=1, tp=8), 8, "num heads 4 is not divisible by tp 8"),
+    (pl.Config(dp=1, tp=1, pp=8), 8, "num layers 4 is not divisible by pp 8"),
+    (pl.Config(dp=2, tp=2, pp=2, ep=4), 8, "dp x cp 2 is not divisible by ep 4"),
+    (pl.Config(dp=8), 12, "global batch 12 is not divisible by dp 8"),
+    (pl.Config(dp=8, micro_batch_size=3), 8, "is not divisible by micro batch size 3"),
+    (pl.Config(dp=8, recompute="some"), 8, "recompute must be one of"),
+    (pl.Config(dp=8, zero_stage=4), 8, "zero_stage must be one of"),
+    (pl.Config(dp=0, tp=8), 8, "dp must be at least 1"),
+])
+def test_bad_configs_are_refused(config, batch, match):
+    with pytest.raises(ValueError, match=match):
+        pl.check_config(TINY, TINY_CLUSTER, batch, config)
+
+
+def test_sequence_not_divisible_by_cp():
+    model = dataclasses.replace(TINY, seq_len=12)
+    with pytest.raises(ValueError, match="seq len 12 is not divisible by cp 8"):
+        pl.check_config(model, TINY_CLUSTER, 8, pl.Config(dp=1, cp=8))
+    with pytest.raises(ValueError, match="seq len / cp 3 is not divisible by tp 2"):  # sequence parallel
+        pl.check_config(model, TINY_CLUSTER, 8, pl.Config(dp=1, cp=4, tp=2))
+
+
+# ---------------------------------------------------------------- the small model on gloo: predicted bytes
+
+def test_predictions_match_the_course_stored_measurements():
+    # notebook 09 (lectures/09): sequence parallel block, 4 ranks, B 2, S 240, h 96, float64
+    assert pl.tensor_parallel_layer_bytes(2, 240, 96, 4, 8, "ring", sequence_parallel=False) == 2211840
+    assert pl.tensor_parallel_layer_bytes(2, 240, 96, 4, 8, "ring") == 2214144
+    for sp, socket in ((False, 2218752), (True, 3354624)):  # written to gloo's sockets: + headers
+        predicted = pl.tensor_parallel_layer_bytes(2, 240, 96, 4, 8, "gloo", sequence_parallel=sp)
+        assert 0 <= socket / predicted - 1 < 0.02
+    # notebook 09: ring attention forward, 4 ranks, S 48, B 1, H 4, D 8
+    assert pl.ring_attention_bytes(1, 4, 48, 8, 4, 8, backward=False) == 18432
+    # notebook 10: 1024 bytes per token through both dispatches (h 16, top-2, float64)
+    assert pl.expert_dispatch_bytes_per_token(16, 2, 8) == 1024
+    # notebook 05: FSDP on 4 ranks, 4 units of 16x16: 3.01 S measured at gloo's sockets, 2.25 S on a ring
+    units = {i: [(16, 16)] for i in range(4)}
+    model_bytes = 4 * 256 * 4
+    assert pl.fsdp_bytes(units, 4, 4, "gloo") / model_bytes == 3.0
+    assert pl.fsdp_bytes(units, 4, 4, "ring") / model_bytes == 2.25
+
+
+def _fsdp2_step_main(rank, world_size, sizes):
+    """One forward and backward of the small transformer under FSDP2 (every layer, then the root): the bytes each
+    collective was handed, and those written to the sockets in a second step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from utils.counting import bytes_written, record_communication
+    from utils.transformer import build_transformer, lm_loss, make_tokens
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build_transformer(sizes)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    inputs, targets = (t.chunk(world_size)[rank] for t in make_tokens(sizes))
+    with record_communication() as log:
+        lm_loss(model(inputs), targets).backward()
+    dist.barrier()
+    before = bytes_written()
+    lm_loss(model(inputs), targets).backward()
+    wire = None if before is None else bytes_written() - before
+    return [(call.name, call.nbytes) for call in log], wire
+
+
+def test_fsdp2_on_the_small_transformer_sends_the_predicted_bytes():
+    sizes, n = TransformerSizes(dim=24, num_heads=4, ffn_dim=40, vocab_size=50, batch_size=3), 3  # pads: 24 / 3 ok,
+    log, wire = spawn(_fsdp2_step_main, n, sizes)[0]                                              # 50, 40 rows not
+    units = pl.small_model_units(sizes)
+    unit_bytes = {name: pl.fsdp_unit_bytes(shapes, n, 8) for name, shapes in units.items()}
+    gathered = sum(nbytes for name, nbytes in log if name.startswith("all_gather"))
+    kept = sum(nbytes for name, nbytes in log if name.startswith("reduce_scatter"))
+    assert gathered == 2 * sum(unit_bytes.values()) - unit_bytes["root"]  # layers twice, the root once
+    assert kept == sum(unit_bytes.values()) / n  # each unit's gradients once, a shard kept
+    if wire is not None:
+        assert 0 <= wire / pl.small_model_bytes(sizes, dp=n)["dp"] - 1 < 0.05  # gloo's headers: 2.8% here
+
+
+# ---------------------------------------------------------------- the exercise: memory per device
+
+@pytest.fixture(scope="module")
+def answer(tmp_path_factory):
+    """The exercise's answer from the draft notebook (the lead moves it to solutions/12_*.ipynb: then
+    solution("12_...") directly); wrong answers are edits of it."""
+    root = tmp_path_factory.mktemp("root")
+    (root / "solutions").mkdir()
+    (root / "solutions" / "planner_section.ipynb").symlink_to(ROOT / "scratch" / "planner_section.ipynb")
+    return lambda replace=None: solution("planner_section", replace=replace, root=root).memory_per_device
+
+
+def test_right_answer_passes(answer, capsys):
+    check_memory_per_device(answer())
+    assert "memory per device: right" in capsys.readouterr().out
+
+
+def test_the_planner_itself_passes():
+    check_memory_per_device(lambda model, config, m: pl.memory_per_device(model, config, m))
+
+
+WRONG = {
+    "optimizer states are not divided": {"state(model.optimizer_bytes, 1)": "state(model.optimizer_bytes, 99)"},
+    "nothing is sharded": {"if config.zero_stage >= stage:": "if False:"},
+    "ZeRO stages are off by one": {"if config.zero_stage >= stage:": "if config.zero_stage >= stage - 1:"},
+    "sharded over dp only": {"data = config.dp * config.cp": "data = config.dp"},
+    "over the whole data axis": {"expert_data = data // config.ep": "expert_data = data"},
+    "not divided by tp": {" / config.tp * model.activation_bytes": " * model.activation_bytes"},
+    "not divided by cp": {"s = model.seq_len / config.cp": "s = model.seq_len"},
+    "only one micro-batch": {"in_flight = min(config.pp, num_micro_batches)": "in_flight = 1"},
+    "GPipe's memory": {"in_flight = min(config.pp, num_micro_batches)": "in_flight = num_micro_batches"},
+    "even when there are fewer": {"in_flight = min(config.pp, num_micro_batches)": "in_flight = config.pp"},
+    "activations of every layer": {"layers = model.num_layers // config.pp": "layers = model.num_layers"},
+    "bytes per element again": {"model.activation_bytes / 2": "model.activation_bytes"},
+}
+
+
+@pytest.mark.parametrize("hint", WRONG)
+def test_each_wrong_answer_is_named(answer, hint):
+    with pytest.raises(AssertionError, match=hint.replace("(", r"\(")):
+        check_memory_per_device(answer(WRONG[hint]))
+
+
+def test_every_mistake_changes_a_number_and_names_itself():
+    """Each mistake of the catalogue differs from the right answer on some case, and is the first hint confirmed."""
+    for i, (hint, _) in enumerate(mistakes(MODEL, *CASES[0])):
+        def wrong(model, config, m, i=i):
+            return mistakes(model, config, m)[i][1]
+        with pytest.raises(AssertionError, match=f"Likely: {hint[:30]}"):
+            check_memory_per_device(wrong)
+
+
+def test_an_unrecognised_answer_is_wrong_without_a_hint():
+    def doubled(model, config, m):
+        return {k: 2 * v for k, v in pl.memory_per_device(model, config, m).items()}
+    with pytest.raises(AssertionError, match=r"expected [^L]*$"):
+        check_memory_per_device(doubled)
+    with pytest.raises(AssertionError, match="must return a dict"):
+        check_memory_per_device(lambda model, config, m: 0)
