@@ -1,4 +1,4 @@
-"""The planner (notebook 12, section 5): its formulas against hand-computed values and the course's measured counts,
+"""The planner (notebook 12, section 3): its formulas against hand-computed values and the course's measured counts,
 its refusals, and the memory exercise's check against each wrong answer of its catalogue."""
 import dataclasses
 import math
@@ -8,7 +8,7 @@ import pytest
 from utils import planner as pl
 from utils.checks.planner import CASES, MODEL, check_memory_per_device, mistakes
 from utils.launch import spawn
-from utils.notebooks import ROOT, solution
+from utils.notebooks import solution
 from utils.transformer import TransformerSizes
 
 LLAMA2_7B = pl.Model(32, 4096, 32, 11008, 4096, 32000, ffn_matrices=3)
@@ -263,13 +263,9 @@ def test_fsdp2_on_the_small_transformer_sends_the_predicted_bytes():
 # ---------------------------------------------------------------- the exercise: memory per device
 
 @pytest.fixture(scope="module")
-def answer(tmp_path_factory):
-    """The exercise's answer from the draft notebook (the lead moves it to solutions/12_*.ipynb: then
-    solution("12_...") directly); wrong answers are edits of it."""
-    root = tmp_path_factory.mktemp("root")
-    (root / "solutions").mkdir()
-    (root / "solutions" / "planner_section.ipynb").symlink_to(ROOT / "scratch" / "planner_section.ipynb")
-    return lambda replace=None: solution("planner_section", replace=replace, root=root).memory_per_device
+def answer():
+    """The exercise's answer from notebook 12's own cell; wrong answers are edits of it."""
+    return lambda replace=None: solution("12_nd_parallel", replace=replace).memory_per_device
 
 
 def test_right_answer_passes(answer, capsys):

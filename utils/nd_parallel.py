@@ -237,23 +237,6 @@ def local_numels(sizes, tensor_parallel):
             for name, p in model.named_parameters()}
 
 
-def formula_bytes_2d(sizes, data_parallel, tensor_parallel, element_size=8, reduce_scatter=2):
-    """{group: bytes a rank writes per step} by the ring formulas: an all-gather of S bytes (the gathered size)
-    sends (N-1)/N S, an all-reduce 2(N-1)/N S, a reduce-scatter of an S-byte input `reduce_scatter` (N-1)/N S: 2 on
-    gloo (it all-reduces), 1 on a ring-optimal backend (NCCL). Per step: the data group all-gathers and
-    reduce-scatters every parameter a rank holds (padded to a multiple of D); the tensor group all-gathers and
-    reduce-scatters the activations, M = (B/D) S h e, four times per block (two pairs, forward and backward), and
-    all-reduces the shards of the whole weights' gradients."""
-    d, t = data_parallel, tensor_parallel
-    numels = {name: d * fsdp.shard_numel(n, d) for name, n in local_numels(sizes, t).items()}
-    held = sum(numels.values()) * element_size
-    whole = sum(n // d for name, n in numels.items() if not sharded_over_tensor(name)) * element_size
-    activations = sizes.batch_size // d * sizes.seq_len * sizes.dim * element_size
-    ring = {n: (n - 1) / n for n in (d, t)}
-    return {"data": ring[d] * held * (1 + reduce_scatter),
-            "tensor": 4 * sizes.num_layers * ring[t] * activations * (1 + reduce_scatter) + 2 * ring[t] * whole}
-
-
 def formula_memory_2d(sizes, data_parallel, tensor_parallel, element_size=8):
     """{group: bytes} of model state a rank holds at the step's peak, as utils.memory.MemoryTracker counts it:
     parameters, its shards (1/D of the P_t elements its tensor rank holds, padded) and the gathered weights (P_t);

@@ -1,4 +1,4 @@
-"""The planner (notebook 12, section 5): memory per device and time per step of every way to split a training run.
+"""The planner (notebook 12, section 3): memory per device and time per step of every way to split a training run.
 
     model + cluster + global batch -> for each (dp, tp, pp, cp, ep, micro-batch size, recompute, ZeRO stage):
         memory per device = parameters + gradients + optimizer states (+ a gathered FSDP unit) + activations
@@ -493,17 +493,19 @@ def fsdp_bytes(units, world_size, element_size, backend="gloo", gathers=None):
     return sent
 
 
-def tensor_parallel_layer_bytes(batch, seq, dim, world_size, element_size, backend="gloo", sequence_parallel=True):
+def tensor_parallel_layer_bytes(batch, seq, dim, world_size, element_size, backend="gloo", sequence_parallel=True,
+                                norms=True):
     """Bytes each rank sends on the tensor-parallel group per layer, forward and backward (notebook 09): two column/
     row pairs, each crossed by M = batch seq dim e bytes in both directions; tensor parallel alone, an all-reduce per
     crossing (forward after the row layer, backward before the column layer); with sequence parallel an all-gather
-    and a reduce-scatter per pair and direction, plus the all-reduce of the two norms' weight gradients (2 dim e)."""
+    and a reduce-scatter per pair and direction, plus (`norms`) the all-reduce of the two norms' weight gradients
+    (2 dim e; a composition with FSDP all-reduces them once per step, on their data shard: small_model_bytes)."""
     m = batch * seq * dim * element_size
     if not sequence_parallel:
         return 4 * collective_bytes("all_reduce", world_size, m, backend)
     pairs = 4 * (collective_bytes("all_gather", world_size, m, backend)
                  + collective_bytes("reduce_scatter", world_size, m, backend))
-    return pairs + 2 * collective_bytes("all_reduce", world_size, dim * element_size, backend)
+    return pairs + 2 * collective_bytes("all_reduce", world_size, dim * element_size, backend) * norms
 
 
 def ring_attention_bytes(batch, heads, seq, head_dim, world_size, element_size, backward=True):
@@ -545,10 +547,14 @@ def small_model_units(sizes, tp=1, pp=1, stage=0):
 
 
 def small_model_bytes(sizes, dp=1, tp=1, pp=1, cp=1, num_micro_batches=1, stage=0, element_size=8, backend="gloo",
-                      sequence_parallel=True):
+                      sequence_parallel=True, gathers_per_step=2):
     """{group: bytes} that one rank of pipeline stage `stage` sends in one training step of utils.transformer's
     model (TransformerSizes `sizes`, float64 by default) on the mesh (pp, dp, cp, tp), with the assumptions above.
-    The batch is split over dp and then into micro-batches; the sequence over cp (ring attention)."""
+    The batch is split over dp and then into micro-batches; the sequence over cp (ring attention). FSDP all-gathers
+    each layer `gathers_per_step` times per micro-batch (2: FSDP2, which frees it after the forward; 1: notebook 12's
+    FlatShards, which keeps the step's weights) and the root's own weights once. The weights whole on every tensor
+    rank (norms, embeddings, output) saw different chunks of the sequence: their gradients are all-reduced over tp
+    once per step, on the shard FSDP's reduce-scatter left (notebook 12, section 2)."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("num_micro_batches", num_micro_batches)):
         check_int(name, value)
     micro = divide("batch_size / dp", divide("batch_size", sizes.batch_size, "dp", dp, "replicas get equal batches"),
@@ -558,9 +564,17 @@ def small_model_bytes(sizes, dp=1, tp=1, pp=1, cp=1, num_micro_batches=1, stage=
         divide("seq_len / cp", seq, "tp", tp, "sequence parallel splits each rank's chunk over tp")
     units = small_model_units(sizes, tp, pp, stage)
     layers, m, d = len(units) - 1, num_micro_batches, sizes.dim
-    sent = {"dp": m * fsdp_bytes(units, dp * cp, element_size, backend, gathers={"root": 1}) if dp * cp > 1 else 0.0}
-    sent["tp"] = (m * layers * tensor_parallel_layer_bytes(micro, seq, d, tp, element_size, backend, sequence_parallel)
-                  if tp > 1 else 0.0)
+    gathers = {name: 1 if name == "root" else gathers_per_step for name in units}
+    sent = {"dp": m * fsdp_bytes(units, dp * cp, element_size, backend, gathers) if dp * cp > 1 else 0.0}
+    sent["tp"] = 0.0
+    if tp > 1:
+        norms = [shape for name, shapes in units.items() if name != "root" for shape in shapes if len(shape) == 1]
+        # tensor parallel alone: every rank saw the whole sequence, and the whole weights' gradients agree
+        whole = norms + units["root"] if sequence_parallel else []
+        whole_bytes = fsdp_unit_bytes(whole, dp * cp, element_size) / (dp * cp)
+        sent["tp"] = (m * layers * tensor_parallel_layer_bytes(micro, seq, d, tp, element_size, backend,
+                                                               sequence_parallel, norms=False)
+                      + collective_bytes("all_reduce", tp, whole_bytes, backend))
     hand_off = micro * seq * d * element_size / (tp if sequence_parallel else 1)
     sent["pp"] = m * hand_off * ((stage < pp - 1) + (stage > 0))
     sent["cp"] = (m * layers * ring_attention_bytes(micro, sizes.num_heads // tp, sizes.seq_len, sizes.head_dim, cp,

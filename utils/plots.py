@@ -260,7 +260,7 @@ def plot_plan(cases, memory_gb, title):
     """cases: {label: every estimate of utils.planner (rows)}. Left: memory per device against step time, one dot
     per configuration, those that do not fit faded, the fastest that fits circled, the memory limit dashed. Right:
     the fastest split that fits for each tensor-parallel size, relative to the fastest of all (notebook 12)."""
-    fig, (scatter_ax, tp_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (scatter_ax, tp_ax) = _subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for k, (label, rows) in enumerate(cases.items()):
         color = f"C{k}"
         fits, too_big = [r for r in rows if r["fits"]], [r for r in rows if not r["fits"]]
