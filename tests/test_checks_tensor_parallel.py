@@ -343,3 +343,15 @@ def test_an_extra_all_reduce_in_the_mlp_is_counted():
                                     f"        dist.all_reduce(x.detach().clone())\n        return {ROW_FORWARD}\n"})
     with pytest.raises(AssertionError, match="4 all-reduce\\(s\\) in forward and 2 in backward .* expected 2 and 2"):
         check_tensor_parallel_mlp(*linears(wrong), 2, HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE, NUM_STEPS)
+
+
+def test_a_slice_twice_is_memory_never_filled_not_a_wrong_order():
+    """An all-gather's list left unfilled can hold an earlier layer's slices (torch.empty reuses freed memory): rank 0's
+    slice twice is no permutation, so the check must not say 'wrong order' (it did, by chance, in a CI run)."""
+    from utils.checks.tensor_parallel import _check_gathered_slices
+
+    slices = [torch.full((2, 3), float(r)) for r in range(3)]
+    with pytest.raises(AssertionError, match=r"feature block\(s\) \[0, 2\] .* hold no rank's slice"):
+        _check_gathered_slices("here", torch.cat([slices[2], slices[1], slices[1]], dim=-1), slices)
+    with pytest.raises(AssertionError, match="wrong order"):
+        _check_gathered_slices("here", torch.cat([slices[2], slices[0], slices[1]], dim=-1), slices)

@@ -97,7 +97,7 @@ def _check_gathered_slices(where, got, slices):
         raise AssertionError(f"{where}: after one layer, every slice of the gathered activation is rank {owners[0]}'s:"
                              f" the list given to dist.all_gather holds one tensor {n} times; give it {n} separate "
                              f"tensors")
-    if None not in owners:
+    if None not in owners and sorted(owners) == list(range(n)):  # each rank's slice once: a permutation
         raise AssertionError(f"{where}: after one layer, the slices are in the wrong order (the feature blocks hold "
                              f"the slices of ranks {owners}, in that order): concatenate the gathered list in rank "
                              f"order")
@@ -106,13 +106,15 @@ def _check_gathered_slices(where, got, slices):
                              f"memory (as a flat all_gather_single or a concatenation along dim 0 lays them out), "
                              f"reshaped to {tuple(got.shape)}: that mixes the ranks' features within each row; join "
                              f"the slices along the features, the last dimension (torch.cat(pieces, dim=-1))")
-    missing = [j for j, owner in enumerate(owners) if owner is None]
+    # a block with no rank's slice, or a copy of one that belongs elsewhere (memory never filled can hold an earlier
+    # layer's slices: the same one twice is no ordering mistake)
+    missing = [j for j, owner in enumerate(owners) if owner != j]
     difference = max_abs_diff(got, torch.cat(slices, dim=-1))
     seen = ("NaN or uninitialised memory" if difference == float("inf") else
             f"values up to {difference:.3g} away from the single-process layer's")
     raise AssertionError(f"{where}: after one layer, feature block(s) {missing} of the gathered activation hold no "
-                         f"rank's slice ({seen}): each rank's slice is gelu(x @ w.T) of its rows w; fill a list with "
-                         f"dist.all_gather and concatenate that list")
+                         f"rank's slice ({seen}), or one that belongs in another block: each rank's slice is "
+                         f"gelu(x @ w.T) of its rows w; fill a list with dist.all_gather and concatenate that list")
 
 
 def check_all_gather_forward(all_gather_forward, world_size, hidden_dim, num_layers, batch_size, seed=0):
