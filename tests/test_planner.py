@@ -1,4 +1,4 @@
-"""The planner (notebook 12, section 3): its formulas against hand-computed values and the course's measured counts,
+"""The planner (notebook 12, section 5): its formulas against hand-computed values and the course's measured counts,
 its refusals, and the memory exercise's check against each wrong answer of its catalogue."""
 import dataclasses
 import math
