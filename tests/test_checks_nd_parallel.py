@@ -6,7 +6,13 @@ the (2, 2) mesh, one step, where the data group, the tensor group and the world 
 import pytest
 
 from utils import nd_parallel as nd
-from utils.checks.nd_parallel import SIZES, check_fsdp_tensor_parallel, check_mesh_position, check_pipeline_3d
+from utils.checks.nd_parallel import (
+    SIZES,
+    check_context_parallel_nd,
+    check_fsdp_tensor_parallel,
+    check_mesh_position,
+    check_pipeline_3d,
+)
 from utils.notebooks import solution
 from utils.transformer import TransformerSizes
 
@@ -222,3 +228,44 @@ def test_3d_sizes_that_do_not_fit_are_refused(sizes, micro_batches, message):
         nd.check_sizes_3d(sizes, (2, 2, 2), 8, micro_batches)
     with pytest.raises(ValueError, match=message):  # the check too, before any rank starts
         check_pipeline_3d(lambda *a: None, lambda *a: None, 8, sizes=sizes, num_micro_batches=micro_batches)
+
+
+# ---------------------------------------------------------------- section 4: context parallel, (context, tensor)
+# On the (2, 2) mesh (context and tensor groups differ from each other and from the world), one step.
+
+CP = dict(world_size=4, num_steps=1)
+CP_MISTAKES = {
+    "RoPE at local positions": ({"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+                                 "    loss = lm_loss(model(inputs, torch.arange(len(positions))), targets) / "
+                                 "tensor_parallel"}, "RoPE at local positions"),
+    "the ring on the tensor group": ({"ring_attend(ra.RingAttention, positions, group=groups[\"context\"])":
+                                      "ring_attend(ra.RingAttention, positions, group=groups[\"tensor\"])"},
+                                     "ran on the tensor group: the ring belongs to the context group"),
+    "the ring on the world": ({"ring_attend(ra.RingAttention, positions, group=groups[\"context\"])":
+                               "ring_attend(ra.RingAttention, positions, group=dist.group.WORLD)"},
+                              "ran on the world group: the ring belongs to the context group"),
+    "the context group's mean taken twice": (
+        {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+         "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel / dist.get_world_size(context)"},
+        "the context group's mean was taken twice"),
+}
+
+
+@pytest.mark.parametrize("mistake", CP_MISTAKES)
+def test_cp_mistakes_are_named(mistake):
+    replace, hint = CP_MISTAKES[mistake]
+    wrong = solution(NAME, replace=replace)
+    with pytest.raises(AssertionError, match=hint):
+        check_context_parallel_nd(wrong.parallelize_cp, wrong.train_step_cp, **CP)
+
+
+@pytest.mark.parametrize("sizes, mesh, message", [
+    (TransformerSizes(seq_len=6), (4, 1), "seq len 6 is not divisible by world size 4"),
+    (TransformerSizes(seq_len=6), (2, 2), "not divisible by tensor parallel 2"),
+])
+def test_cp_sizes_that_do_not_fit_are_refused(sizes, mesh, message):
+    with pytest.raises(ValueError, match=message):
+        nd.check_sizes_cp(sizes, mesh, 4)
+    if mesh == (2, 2):  # the check's own mesh on 4 ranks: it refuses too, before any rank starts
+        with pytest.raises(ValueError, match=message):
+            check_context_parallel_nd(lambda *a: None, lambda *a: None, 4, sizes=sizes)
