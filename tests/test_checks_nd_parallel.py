@@ -269,3 +269,22 @@ def test_cp_sizes_that_do_not_fit_are_refused(sizes, mesh, message):
     if mesh == (2, 2):  # the check's own mesh on 4 ranks: it refuses too, before any rank starts
         with pytest.raises(ValueError, match=message):
             check_context_parallel_nd(lambda *a: None, lambda *a: None, 4, sizes=sizes)
+
+
+def test_pipeline_and_ring_bytes_at_the_calls_are_the_planners():
+    """The planner's pp and cp terms against a live run's bytes handed to the sends (one step, 4 ranks): section
+    3's (1, 2, 2) mesh and section 4's (2, 2)."""
+    from utils import planner as pl
+    from utils.launch import spawn
+
+    right = solution(NAME)
+    sizes = TransformerSizes(vocab_size=32, dim=16, num_heads=4, num_layers=2, ffn_dim=32, seq_len=16, batch_size=4)
+    runs = spawn(nd.train_3d_main, 4, right.parallelize_3d, right.train_step_3d, sizes, (1, 2, 2), 2, 1)
+    for run in runs:
+        sent = sum(b for (group, op), (_, b) in run.counts.items() if group == "pipeline" and "send" in op)
+        assert sent == pl.small_model_bytes(sizes, tp=2, pp=2, num_micro_batches=2, stage=run.coordinate[1],
+                                            gathers_per_step=1)["pp"]
+    runs = spawn(nd.train_cp_main, 4, right.parallelize_cp, right.train_step_cp, sizes, (2, 2), 1)
+    for run in runs:
+        sent = sum(b for (group, op), (_, b) in run.counts.items() if op == "isend")
+        assert sent == pl.small_model_bytes(sizes, cp=2, tp=2, gathers_per_step=1)["cp"]
