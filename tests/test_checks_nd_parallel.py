@@ -271,6 +271,7 @@ def test_cp_sizes_that_do_not_fit_are_refused(sizes, mesh, message):
             check_context_parallel_nd(lambda *a: None, lambda *a: None, 4, sizes=sizes)
 
 
+@pytest.mark.slow  # 2 s; the notebook's stored run (strict nbval, default run) prints the same equalities
 def test_pipeline_and_ring_bytes_at_the_calls_are_the_planners():
     """The planner's pp and cp terms against a live run's bytes handed to the sends (one step, 4 ranks): section
     3's (1, 2, 2) mesh and section 4's (2, 2)."""
