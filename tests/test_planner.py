@@ -1,4 +1,4 @@
-"""The planner (notebook 12, section 3): its formulas against hand-computed values and the course's measured counts,
+"""The planner (notebook 12, section 5): its formulas against hand-computed values and the course's measured counts,
 its refusals, and the memory exercise's check against each wrong answer of its catalogue."""
 import dataclasses
 import math
@@ -315,3 +315,14 @@ def test_an_unrecognised_answer_is_wrong_without_a_hint():
         check_memory_per_device(doubled)
     with pytest.raises(AssertionError, match="must return a dict"):
         check_memory_per_device(lambda model, config, m: 0)
+
+
+def test_flat_shards_gather_and_reduce_scatter_once_per_step_whatever_the_micro_batches():
+    """gathers_per_step=1 (notebook 12's FlatShards, measured in its section 3): the data group's bytes do not grow
+    with the micro-batches; FSDP2's (2) do, once per micro-batch."""
+    sizes = TransformerSizes(seq_len=16, batch_size=4)
+    once, twice = (pl.small_model_bytes(sizes, dp=2, tp=2, pp=2, num_micro_batches=m, gathers_per_step=1)["dp"]
+                   for m in (1, 2))
+    assert once == twice > 0
+    fsdp2 = [pl.small_model_bytes(sizes, dp=2, tp=2, pp=2, num_micro_batches=m)["dp"] for m in (1, 2)]
+    assert fsdp2[1] == 2 * fsdp2[0]

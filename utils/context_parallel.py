@@ -23,11 +23,14 @@ def use_attention(model, attend):
     return model
 
 
-def ring_attend(ring_attention, positions, mask="causal"):
+def ring_attend(ring_attention, positions, mask="causal", group=None):
     """attend() through `ring_attention.apply(q, k, v, positions, mask)` (an autograd function): `positions[r]`
-    are rank r's global positions, which the ring masks by."""
+    are rank r's global positions, which the ring masks by. With `group` (utils.ring_attention.RingAttention), the
+    ring runs on that process group, positions[r] being its rank r's."""
     def attend(q, k, v, _):
-        return ring_attention.apply(q, k, v, positions, mask)
+        if group is None:
+            return ring_attention.apply(q, k, v, positions, mask)
+        return ring_attention.apply(q, k, v, positions, mask, group)
     return attend
 
 

@@ -118,12 +118,12 @@ def check_sizes_2d(sizes, data_parallel, tensor_parallel, world_size):
                   "each data-parallel rank trains on as many sequences")
 
 
-def mesh_groups(data_parallel, tensor_parallel):
-    """On a rank: the 2-D mesh's groups {"data": ..., "tensor": ...} and this rank's (data, tensor) coordinate."""
+def mesh_groups(shape, names=MESH_2D):
+    """On a rank: the mesh's groups by name ({"data": ..., "tensor": ...} in 2-D) and this rank's coordinate."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=MESH_2D)
-    return {name: mesh.get_group(name) for name in MESH_2D}, tuple(mesh.get_coordinate())
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    return {name: mesh.get_group(name) for name in names}, tuple(mesh.get_coordinate())
 
 
 def sharded_over_tensor(name):
@@ -192,10 +192,11 @@ def loss_share(model, inputs, targets, tensor_parallel, seq_len):
 # ---------------------------------------------------------------- communication per group
 
 @contextlib.contextmanager
-def communication_by_group(groups):
+def communication_by_group(groups, guard=None):
     """Record the block's communication calls (utils.intercept.Call), each with `.group`, the name of the group it
     ran on ("world" for the default group, "other" for a group not in `groups`), and `.wire`, the bytes this
-    process wrote to its sockets while it ran (utils.counting.bytes_written; gloo's own traffic)."""
+    process wrote to its sockets while it ran (utils.counting.bytes_written; gloo's own traffic). `guard(call,
+    arguments)`, if given, sees each call before it runs (and may refuse it: a wrong peer would hang the ranks)."""
     def name_of(group):
         group = dist.group.WORLD if group is None else group  # a mesh dimension that spans every rank is WORLD
         return next((name for name, g in groups.items() if g is group),
@@ -203,6 +204,8 @@ def communication_by_group(groups):
 
     def before(call, arguments):
         call.group, call.wire = name_of(arguments.get("group")), bytes_written()
+        if guard is not None:
+            guard(call, arguments)
 
     def after(call, arguments):
         call.wire = None if call.wire is None else bytes_written() - call.wire
@@ -272,7 +275,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
     data group); each step unshard, forward and backward of this rank's loss share, sync_gradients(model,
     shards.shards, tensor group, data group) (which must set every shard's .grad), AdamW on the shards. The first
     step is recorded (Run2D); with track_memory, the model state's peak over the second (utils.memory)."""
-    groups, coordinate = mesh_groups(data_parallel, tensor_parallel)
+    groups, coordinate = mesh_groups((data_parallel, tensor_parallel))
     run = Run2D(coordinate, {name: dist.get_process_group_ranks(g) for name, g in groups.items()})
     model, shards = parallelize(build_transformer(sizes, seed), groups["tensor"], groups["data"])
     optimizer = make_optimizer(shards.parameters(), "adamw", lr)
@@ -345,6 +348,295 @@ def train_pytorch_2d_main(rank, world_size, sizes, data_parallel, tensor_paralle
         losses.append(loss.item())
     weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
     return losses, weights, seconds, wire
+
+
+
+# ---------------------------------------------------------------- 3-D: pipeline stages
+
+def check_sizes_3d(sizes, mesh, world_size, num_micro_batches):
+    """Section 2's sizes on the (data, tensor) dimensions, the layers split evenly over the pipeline dimension, and
+    each data rank's sequences into equal micro-batches: a ValueError names what does not, before any rank starts.
+    Returns the micro-batch size."""
+    data_parallel, pipeline_parallel, tensor_parallel = check_mesh(mesh, world_size, MESH_3D)
+    sp.check_sizes(sizes, tensor_parallel, "tensor_parallel")
+    divide("num_layers", sizes.num_layers, "pipeline_parallel", pipeline_parallel, "every stage runs as many layers")
+    local = divide("batch_size", sizes.batch_size, "data_parallel", data_parallel,
+                   "each data-parallel rank trains on as many sequences")
+    return divide("batch_size / data_parallel", local, "num_micro_batches", check_int("num_micro_batches",
+                  num_micro_batches), "the micro-batches are equal")
+
+
+def stage_names(sizes, stage, num_stages):
+    """The parameter names pipeline stage `stage` holds: its layers (utils.pipeline.stage_layers), the embedding on
+    the first stage, the final norm and the LM head on the last."""
+    from utils.pipeline import stage_layers
+
+    with torch.device("meta"):
+        model = Transformer(sizes)
+    layers = {str(i) for i in stage_layers(sizes.num_layers, num_stages)[stage]}
+    return [name for name, _ in model.named_parameters()
+            if (name.startswith("layers.") and name.split(".")[1] in layers)
+            or (name.startswith("tok_embeddings") and stage == 0)
+            or (name.startswith(("norm.", "output.")) and stage == num_stages - 1)]
+
+
+def stage_forward(model, x, seq_len):
+    """A stage's forward of one micro-batch: tokens on the first stage, the previous stage's hidden states (this
+    tensor rank's chunk of the sequence) elsewhere; the blocks see the whole sequence's positions."""
+    return model(x, torch.arange(seq_len))
+
+
+def hidden_like(tokens, sizes):
+    """A buffer for the hidden states of `tokens` (batch, this rank's chunk of positions): what a stage receives."""
+    return torch.empty(*tokens.shape, sizes.dim, dtype=torch.float64)
+
+
+def pipeline_neighbours(pipeline_group):
+    """The global ranks of the previous and next pipeline stages (None at the ends): the ranks with the same data
+    and tensor coordinates, one pipeline coordinate away (rank -/+ T on a (data, pipeline, tensor) mesh)."""
+    stage, size = dist.get_rank(pipeline_group), dist.get_world_size(pipeline_group)
+    return tuple(dist.get_global_rank(pipeline_group, s) if 0 <= s < size else None for s in (stage - 1, stage + 1))
+
+
+PEER_NAMES = {"send": ("dst", "group_dst"), "isend": ("dst", "group_dst"), "recv": ("src", "group_src"),
+              "irecv": ("src", "group_src")}
+
+
+class CompositionMistake(AssertionError):
+    """Raised on a rank, before a call that would hang or mix the ranks: the check turns it into its hint."""
+
+
+def peer_of(name, arguments):
+    """The global rank a send/recv talks to."""
+    rank_key, group_key = PEER_NAMES[name]
+    if arguments.get(group_key) is not None:
+        return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[group_key])
+    return arguments.get(rank_key)
+
+
+def guard_3d(groups, tensor_parallel):
+    """guard(call, arguments) for communication_by_group: a send/recv only to a pipeline neighbour, a collective
+    only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs."""
+    neighbours = pipeline_neighbours(groups["pipeline"])
+    rank = dist.get_rank()
+
+    def guard(call, arguments):
+        if call.name in PEER_NAMES:
+            peer = peer_of(call.name, arguments)
+            if peer in neighbours and call.group in ("pipeline", "world"):
+                return
+            if peer in (rank - 1, rank + 1) and peer not in neighbours:
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} talks to rank {peer}, its tensor neighbour (rank +/- 1): the next "
+                    f"pipeline stage with the same data and tensor coordinates is rank +/- T = {tensor_parallel} "
+                    f"(dist.get_global_rank(pipeline_group, stage +/- 1), or group_dst/group_src on the pipeline "
+                    f"group)")
+            raise CompositionMistake(f"rank {rank}'s {call.name} on the {call.group} group talks to rank {peer}, not "
+                                     f"to a pipeline neighbour {[n for n in neighbours if n is not None]}")
+        if call.group not in ("data", "tensor"):
+            raise CompositionMistake(
+                f"rank {rank}: a {call.name} on the {call.group} group: the gradients were synchronised over more "
+                f"than the data group (or on the pipeline group), but the pipeline's stages hold different layers: "
+                f"only the ranks of a data group hold copies of the same weights (and a tensor group's whole ones)")
+    return guard
+
+
+@dataclasses.dataclass
+class Run3D:
+    coordinate: tuple  # (data, pipeline, tensor)
+    names: list  # the parameters this rank's stage holds
+    losses: list = dataclasses.field(default_factory=list)  # this rank's loss share, by step (0 off the last stage)
+    shards: dict = None  # name: this rank's flat shard after the last step
+    synced: dict = None  # first step: name: the shard's gradient after the sync
+    counts: dict = None  # first step: (group, collective): (calls, bytes handed to them)
+    bytes: dict = None  # first step: group: bytes written to the sockets
+    seconds: list = dataclasses.field(default_factory=list)  # each step's time
+    error: str = ""  # what is wrong with the stage's parameters, if anything (the run stops before training)
+
+
+def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed=0,
+                  lr=1e-2):
+    """Train the course's transformer on the (data, pipeline, tensor) mesh: model, shards = parallelize(model,
+    groups); each step unshard, then loss = train_step(model, shards.shards, micro_batches, groups) (its stage's
+    forwards and backwards of this rank's micro-batches, and the gradients' sync: every shard's .grad set), AdamW
+    on the shards, reshard. Every call is guarded (guard_3d); the first step is recorded (Run3D)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    groups, coordinate = mesh_groups(mesh, MESH_3D)
+    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    run = Run3D(coordinate, sorted(shards.shards))
+    want = sorted(stage_names(sizes, coordinate[1], pipeline_parallel))
+    run.error = "" if run.names == want else _stage_hint(run.names, want, coordinate[1], pipeline_parallel)
+    wrong = torch.tensor([float(bool(run.error))])
+    dist.all_reduce(wrong, op=dist.ReduceOp.MAX)  # every rank stops if one stage is wrong (not logged: the check's)
+    if wrong.item():
+        return run
+    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
+    guard = guard_3d(groups, tensor_parallel)
+    for step in range(num_steps):
+        inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate[::2], data_parallel, tensor_parallel)
+        micro_batches = list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
+        start = time.perf_counter()
+        with communication_by_group(groups, guard) as log:
+            shards.unshard()
+            loss = train_step(model, shards.shards, micro_batches, groups)
+        if step == 0:
+            run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
+            run.counts, run.bytes = calls_per_group(log), bytes_per_group(log)
+        optimizer.step()
+        optimizer.zero_grad()
+        shards.reshard()
+        run.seconds.append(time.perf_counter() - start)
+        run.losses.append(float(loss or 0.0))
+    run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
+    return run
+
+
+def _stage_hint(names, want, stage, num_stages):
+    """Why a stage holds the wrong parameters, in words."""
+    has = {n.split(".")[0] for n in names}
+    where = f"pipeline stage {stage} of {num_stages} holds {sorted(has)}"
+    if stage == num_stages - 1 and "tok_embeddings" in has and stage != 0:
+        return f"{where}: the embedding on the last stage: it belongs on the first, which turns tokens into vectors"
+    if stage == 0 and "output" in has and num_stages > 1:
+        return f"{where}: the LM head on the first stage: it belongs on the last, which computes the loss"
+    missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
+    return (f"{where}: missing {missing[:3]}, extra {extra[:3]}: a stage keeps its layers "
+            f"(utils.pipeline.stage_layers), the first the embedding, the last the final norm and the LM head")
+
+
+def full_weights_3d(runs, shapes, mesh):
+    """The model's weights from every rank's shards: each stage's from its (data, tensor) ranks (full_weights)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    weights = {}
+    for stage in range(pipeline_parallel):
+        mine = [runs[(d * pipeline_parallel + stage) * tensor_parallel + t]
+                for d in range(data_parallel) for t in range(tensor_parallel)]
+        weights.update(full_weights(mine, {name: shapes[name] for name in mine[0].names}, data_parallel,
+                                    tensor_parallel))
+    return weights
+
+
+def formula_calls_3d(sizes, mesh, num_micro_batches, stage):
+    """{(group, collective): calls} one rank of pipeline stage `stage` makes per step: FSDP's all-gather and
+    reduce-scatter of each of the stage's parameters once (data), 4 gathers and 4 reduce-scatters along the
+    sequence per layer and micro-batch, an all-reduce per whole weight (tensor), and a send and a receive per
+    micro-batch to a neighbour (pipeline)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    names = stage_names(sizes, stage, pipeline_parallel)
+    layers, m = sizes.num_layers // pipeline_parallel, num_micro_batches
+    calls = {("data", "all_gather"): len(names), ("data", "reduce_scatter"): len(names)}  # on a group of 1 too
+    if tensor_parallel > 1:
+        calls.update({("tensor", "all_gather"): 4 * layers * m, ("tensor", "reduce_scatter"): 4 * layers * m,
+                      ("tensor", "all_reduce"): sum(not sharded_over_tensor(n) for n in names)})
+    if pipeline_parallel > 1:
+        calls.update({("pipeline", "isend"): m, ("pipeline", "recv"): m})
+    return calls
+
+
+
+# ---------------------------------------------------------------- context parallel: (context, tensor)
+
+MESH_CP = ("context", "tensor")
+
+
+def check_sizes_cp(sizes, mesh, world_size):
+    """The mesh fills the world; heads and MLP features split over the tensor group; the sequence into a chunk per
+    context rank and each chunk over the tensor group: a ValueError names what does not, before any rank starts.
+    Returns the tokens of a rank's chunk."""
+    from utils import ring_attention as ra
+
+    context_parallel, tensor_parallel = check_mesh(mesh, world_size, MESH_CP)
+    sp.check_sizes(dataclasses.replace(sizes, seq_len=tensor_parallel), tensor_parallel, "tensor_parallel")
+    chunk = ra.check_sizes(sizes.seq_len, context_parallel)
+    return divide("seq_len / context_parallel", chunk, "tensor_parallel", tensor_parallel,
+                  "sequence parallel splits each context chunk over the tensor group")
+
+
+def cp_tokens(inputs, targets, coordinate):
+    """Rank (c, t)'s tokens: every sequence's context chunk c, tensor rank t's part of it."""
+    (c, t), (context_parallel, tensor_parallel) = coordinate
+    return tuple(x.chunk(context_parallel, dim=1)[c].chunk(tensor_parallel, dim=1)[t] for x in (inputs, targets))
+
+
+def guard_cp(groups):
+    """guard(call, arguments): the ring's sends and receives on the context group, every collective on the context
+    or the tensor group; else CompositionMistake, naming the mistake, before the call runs."""
+    rank = dist.get_rank()
+
+    def guard(call, arguments):
+        if call.name in PEER_NAMES and call.group != "context":
+            raise CompositionMistake(
+                f"rank {rank}: ring attention's {call.name} ran on the {call.group} group: the ring belongs to the "
+                f"context group, whose ranks hold the other chunks of the same sequences (ring_attend(..., "
+                f"group=context_group))")
+        if call.name not in PEER_NAMES and call.group not in ("context", "tensor"):
+            raise CompositionMistake(f"rank {rank}: a {call.name} on the {call.group} group: FSDP's collectives "
+                                     f"belong to the context group, tensor parallel's to the tensor group")
+    return guard
+
+
+@dataclasses.dataclass
+class RunCP:
+    coordinate: tuple  # (context, tensor)
+    positions: list = None  # the positions the first block's attention saw (RoPE's), first step
+    losses: list = dataclasses.field(default_factory=list)
+    shards: dict = None
+    synced: dict = None
+    counts: dict = None
+    bytes: dict = None
+    seconds: list = dataclasses.field(default_factory=list)
+
+
+def train_cp_main(rank, world_size, parallelize, train_step, sizes, mesh, num_steps, seed=0, lr=1e-2):
+    """Train the course's transformer on the (context, tensor) mesh: model, shards = parallelize(model, groups);
+    each step unshard, loss = train_step(model, shards.shards, inputs, targets, groups) (this rank's tokens: its
+    chunk of every sequence; forward, backward and the gradients' sync), AdamW on the shards, reshard. Every call
+    is guarded (guard_cp); the first step is recorded (RunCP)."""
+    groups, coordinate = mesh_groups(mesh, MESH_CP)
+    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    run = RunCP(coordinate)
+    first = next(iter(model.layers.values())).attention
+    attend = first.attend
+
+    def recorded(q, k, v, positions):
+        run.positions = run.positions or positions.tolist()
+        return attend(q, k, v, positions)
+    first.attend = recorded
+    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
+    for step in range(num_steps):
+        inputs, targets = cp_tokens(*make_tokens(sizes, seed, step), (coordinate, mesh))
+        start = time.perf_counter()
+        with communication_by_group(groups, guard_cp(groups)) as log:
+            shards.unshard()
+            loss = train_step(model, shards.shards, inputs, targets, groups)
+        if step == 0:
+            run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
+            run.counts, run.bytes = calls_per_group(log), bytes_per_group(log)
+        optimizer.step()
+        optimizer.zero_grad()
+        shards.reshard()
+        run.seconds.append(time.perf_counter() - start)
+        run.losses.append(float(loss))
+    run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
+    return run
+
+
+def formula_calls_cp(sizes, mesh):
+    """{(group, collective): calls} one rank makes per step: FSDP's all-gather and reduce-scatter of every
+    parameter (context); sequence parallel's 4 + 4 per layer and the whole weights' all-reduce (tensor); per layer,
+    the ring's C - 1 hops of K/V forward, C - 1 again backward and C of their gradients, each an isend and an irecv
+    (context)."""
+    context_parallel, tensor_parallel = mesh
+    names = stage_names(sizes, 0, 1)
+    layers = sizes.num_layers
+    calls = {("context", "all_gather"): len(names), ("context", "reduce_scatter"): len(names)}
+    if tensor_parallel > 1:
+        calls.update({("tensor", "all_gather"): 4 * layers, ("tensor", "reduce_scatter"): 4 * layers,
+                      ("tensor", "all_reduce"): sum(not sharded_over_tensor(n) for n in names)})
+    if context_parallel > 1:
+        hops = layers * (3 * context_parallel - 2)
+        calls.update({("context", "isend"): hops, ("context", "irecv"): hops})
+    return calls
 
 
 def _phase_marker(log, phases):

@@ -1,4 +1,4 @@
-"""The planner (notebook 12, section 3): memory per device and time per step of every way to split a training run.
+"""The planner (notebook 12, section 5): memory per device and time per step of every way to split a training run.
 
     model + cluster + global batch -> for each (dp, tp, pp, cp, ep, micro-batch size, recompute, ZeRO stage):
         memory per device = parameters + gradients + optimizer states (+ a gathered FSDP unit) + activations
@@ -551,8 +551,10 @@ def small_model_bytes(sizes, dp=1, tp=1, pp=1, cp=1, num_micro_batches=1, stage=
     """{group: bytes} that one rank of pipeline stage `stage` sends in one training step of utils.transformer's
     model (TransformerSizes `sizes`, float64 by default) on the mesh (pp, dp, cp, tp), with the assumptions above.
     The batch is split over dp and then into micro-batches; the sequence over cp (ring attention). FSDP all-gathers
-    each layer `gathers_per_step` times per micro-batch (2: FSDP2, which frees it after the forward; 1: notebook 12's
-    FlatShards, which keeps the step's weights) and the root's own weights once. The weights whole on every tensor
+    each layer `gathers_per_step` times per micro-batch and the root's own weights once (2: FSDP2, which frees a layer
+    after its forward and gathers and reduce-scatters again for every micro-batch; 1: notebook 12's FlatShards, which
+    gathers the model once per step and reduce-scatters once, after the last micro-batch: measured in its section
+    3, on 2 pipeline stages of 2 micro-batches). The weights whole on every tensor
     rank (norms, embeddings, output) saw different chunks of the sequence: their gradients are all-reduced over tp
     once per step, on the shard FSDP's reduce-scatter left (notebook 12, section 2)."""
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("num_micro_batches", num_micro_batches)):
@@ -565,7 +567,8 @@ def small_model_bytes(sizes, dp=1, tp=1, pp=1, cp=1, num_micro_batches=1, stage=
     units = small_model_units(sizes, tp, pp, stage)
     layers, m, d = len(units) - 1, num_micro_batches, sizes.dim
     gathers = {name: 1 if name == "root" else gathers_per_step for name in units}
-    sent = {"dp": m * fsdp_bytes(units, dp * cp, element_size, backend, gathers) if dp * cp > 1 else 0.0}
+    rounds = m if gathers_per_step > 1 else 1  # FlatShards: one gather and one reduce-scatter per step
+    sent = {"dp": rounds * fsdp_bytes(units, dp * cp, element_size, backend, gathers) if dp * cp > 1 else 0.0}
     sent["tp"] = 0.0
     if tp > 1:
         norms = [shape for name, shapes in units.items() if name != "root" for shape in shapes if len(shape) == 1]

@@ -151,6 +151,84 @@ def block_attention_backward(grad_out, q, k, v, out, lse, q_positions, k_positio
     return dq, dk, dv
 
 
+# ---------------------------------------------------------------- the ring: the course's reference (notebook 12)
+# Notebook 09's exercise is the student's own; notebook 12 composes this one with the other parallelisms, on a
+# process group: `group` (None: the world), the ring's neighbours its ranks (group_dst / group_src).
+
+def ring_attention_forward(q, k, v, positions, mask="causal", group=None):
+    """(out, lse) of this rank's queries against every rank's keys/values, passed around `group`'s ring: each
+    step sends the block held to rank + 1 while merging it, and receives the next from rank - 1. `positions[r]`:
+    group rank r's global positions."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    kv, out, lse = torch.stack([k, v]), None, None
+    for step in range(size):
+        if step < size - 1:
+            incoming = torch.empty_like(kv)
+            transfers = [dist.isend(kv, group=group, group_dst=(rank + 1) % size),
+                         dist.irecv(incoming, group=group, group_src=(rank - 1) % size)]
+        source = (rank - step) % size
+        if visible(positions[rank], positions[source], mask):
+            block = block_attention(q, kv[0], kv[1], positions[rank], positions[source], mask)
+            out, lse = block if out is None else merge_pieces(out, lse, *block)
+        if step < size - 1:
+            for transfer in transfers:
+                transfer.wait()
+            kv = incoming
+    return out, lse
+
+
+def ring_attention_backward(grad_out, q, k, v, out, lse, positions, mask="causal", group=None):
+    """(dq, dk, dv): the keys/values travel the ring again, each with its gradient accumulator, which makes one hop
+    more and arrives home."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    send_to, receive_from = (rank + 1) % size, (rank - 1) % size
+    kv = torch.stack([k, v])
+    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    for step in range(size):
+        last = step == size - 1
+        if not last:
+            incoming = torch.empty_like(kv)
+            transfers = [dist.isend(kv, group=group, group_dst=send_to),
+                         dist.irecv(incoming, group=group, group_src=receive_from)]
+        source = (rank - step) % size
+        if visible(positions[rank], positions[source], mask):
+            block_dq, block_dk, block_dv = block_attention_backward(grad_out, q, kv[0], kv[1], out, lse,
+                                                                    positions[rank], positions[source], mask)
+            dq += block_dq
+            dkv += torch.stack([block_dk, block_dv])
+        if size == 1:  # the block never left: its gradients are home
+            break
+        incoming_dkv = torch.empty_like(dkv)
+        dkv_transfers = [dist.isend(dkv, group=group, group_dst=send_to),
+                         dist.irecv(incoming_dkv, group=group, group_src=receive_from)]
+        for transfer in dkv_transfers + ([] if last else transfers):
+            transfer.wait()
+        dkv = incoming_dkv
+        if not last:
+            kv = incoming
+    return dq, dkv[0], dkv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    """out = ring attention of q against every rank's k, v: apply(q, k, v, positions, mask, group=None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, mask, group=None):
+        out, lse = ring_attention_forward(q, k, v, positions, mask, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.positions, ctx.mask, ctx.group = positions, mask, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = ring_attention_backward(grad_out, *ctx.saved_tensors, ctx.positions, ctx.mask, ctx.group)
+        return *grads, None, None, None
+
+
 # ---------------------------------------------------------------- references
 
 def reference_attention(q, k, v, mask="causal"):

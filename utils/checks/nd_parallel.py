@@ -13,6 +13,7 @@ against one process's (utils.transformer.train_transformer_reference, float64, 1
 """
 import math
 
+import torch
 import torch.distributed as dist
 
 from utils import fsdp
@@ -296,3 +297,198 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
           f"collectives on the tensor group, FSDP's on the data group; every gradient shard of the first step, "
           f"the losses and the weights after {num_steps} AdamW steps equal one process's (1e-12)")
 
+
+
+# ---------------------------------------------------------------- section 3: pipeline stages (3-D)
+
+NUM_MICRO_BATCHES = 2
+
+
+def mesh_3d(world_size):
+    """The (data, pipeline, tensor) mesh of `world_size` ranks: (2, 2, 2) on 8, (1, 2, 2) on 4 (nd.default_mesh)."""
+    return nd.default_mesh(world_size, nd.MESH_3D)
+
+
+def last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed=0):
+    """One process's gradient of the mean loss over every data rank's last micro-batch, at the first step: what a
+    schedule keeps when each micro-batch's backward drops the gradients of those before it."""
+    data_parallel = mesh[0]
+    model, (inputs, targets) = build_transformer(sizes, seed), make_tokens(sizes, seed, 0)
+    rows = [x.chunk(data_parallel)[d].chunk(num_micro_batches)[-1] for x in (inputs, targets)
+            for d in range(data_parallel)]
+    inputs, targets = (torch.cat(rows[i * data_parallel:(i + 1) * data_parallel]) for i in range(2))
+    lm_loss(model(inputs), targets).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _count_problem(run, sizes, mesh, num_micro_batches):
+    """The calls of one rank's first step against nd.formula_calls_3d, in words, or None."""
+    want = nd.formula_calls_3d(sizes, mesh, num_micro_batches, run.coordinate[1])
+    got = {}
+    for (group, name), (calls, _) in run.counts.items():
+        name = {"send": "isend", "irecv": "recv"}.get(name, name)  # blocking or not: the same hand-off
+        got[group, name] = got.get((group, name), 0) + calls
+    if got == want:
+        return None
+    where = f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}: calls per step {got}, expected {want}"
+    rs, gathers = ("data", "reduce_scatter"), ("data", "all_gather")
+    if got.get(rs, 0) == num_micro_batches * want.get(rs, 0) > want.get(rs, 0):
+        return (f"{where}: the gradients were synchronised after each micro-batch ({num_micro_batches} reduce-scatters "
+                f"per parameter): accumulate every micro-batch's gradient first, then sync once per step")
+    if got.get(gathers) != want.get(gathers):
+        return f"{where}: FSDP's all-gathers are the loop's (shards.unshard(), once per step): train_step adds none"
+    return where
+
+
+def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches):
+    data_parallel, _, tensor_parallel = mesh
+    for run in runs:
+        for name in run.names:
+            want = _expected_shard(grads[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
+            got = run.synced[name]
+            where = f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
+            if got is None:
+                return f"{where} is None: train_step must set shards[name].grad for every parameter of its stage"
+            if close(got, want):
+                continue
+            if got.shape != want.shape:
+                return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            kept = _expected_shard(last[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
+            m = num_micro_batches
+            hint = confirmed(got, [
+                (m * want, f"it is {m} times too large: the loss of each micro-batch was not divided by the number "
+                           f"of micro-batches ({m}): the step's loss is their mean"),
+                (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
+                           "zero the gradients between micro-batches"),
+                (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
+                       "micro-batches)")])
+            return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
+                f": {hint}" if hint else "")
+    return None
+
+
+def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
+                      num_steps=NUM_STEPS, seed=0):
+    """Train on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on 8) with 1F1B over
+    `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group (refused on the
+    rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d, the first step's
+    gradient shards, then losses and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+    from utils.launch import RankError
+
+    (n,) = runnable_world_sizes([world_size])
+    mesh = mesh_3d(n)
+    nd.check_sizes_3d(sizes, mesh, n, num_micro_batches)  # a ValueError names what does not split
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    try:
+        runs = spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                     timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        if "CompositionMistake" in e.summary:
+            raise AssertionError(f"on mesh (data, pipeline, tensor) = {mesh}: "
+                                 + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+        raise
+    errors = [run.error for run in runs if run.error]
+    if errors:
+        raise AssertionError(next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]))
+    problem = next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))), None) or \
+        _gradient_problem_3d(runs, mesh, reference_gradients(sizes, seed),
+                             last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches)
+    if problem:
+        raise AssertionError(problem)
+    got = nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh)
+    wrong = [name for name, w in weights.items() if not close(got[name], w)]
+    got_losses = nd.global_losses(runs, mesh[0])
+    if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
+        raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
+                             f"the losses {[round(x, 6) for x in got_losses]} (one process: "
+                             f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ: is every step "
+                             f"the same?")
+    print(f"3-D on {n} ranks, mesh (data, pipeline, tensor) = {mesh}, 1F1B over {num_micro_batches} micro-batches: "
+          f"every send/recv to a pipeline neighbour, every collective on its group and counted as the formulas "
+          f"say; every gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps "
+          f"equal one process's (1e-12)")
+
+
+# ---------------------------------------------------------------- section 4: context parallel, (context, tensor)
+
+CP_SIZES = TransformerSizes(vocab_size=32, dim=16, num_heads=4, num_layers=2, ffn_dim=32, seq_len=16, batch_size=2)
+
+
+def mesh_cp(world_size):
+    """The (context, tensor) mesh of `world_size` ranks: (2, 2) on 4 (nd.default_mesh in 2-D)."""
+    return nd.default_mesh(world_size, nd.MESH_CP)
+
+
+def _cp_problem(runs, mesh, sizes, grads):
+    """The first wrong positions or gradient shard of the first step, in words, or None."""
+    from utils import ring_attention as ra
+
+    context_parallel, tensor_parallel = mesh
+    chunks = ra.chunk_positions(sizes.seq_len, context_parallel)
+    for run in runs:
+        c, _ = run.coordinate
+        where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}"
+        if run.positions != chunks[c].tolist():
+            hint = (": RoPE at local positions: the model must get this context chunk's GLOBAL positions "
+                    "(ra.chunk_positions(seq_len, C)[c]), or its queries and keys rotate as if every chunk started "
+                    "the sequence" if run.positions == list(range(len(chunks[c]))) else "")
+            return f"{where}: the attention saw positions {run.positions}, expected {chunks[c].tolist()}{hint}"
+    for run in runs:
+        for name, grad in grads.items():
+            want = _expected_shard(grad, name, run.coordinate, context_parallel, tensor_parallel)
+            got = run.synced[name]
+            where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
+            if got is None:
+                return f"{where} is None: the sync must set shards[name].grad for every parameter"
+            if close(got, want):
+                continue
+            if got.shape != want.shape:
+                return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            hint = confirmed(got, [
+                (want / context_parallel, f"it is {context_parallel} times too small: the context group's mean was "
+                                          f"taken twice (the loss divided by the context size, and the sync's "
+                                          f"reduce-scatter averaging over it): divide the loss by T only"),
+                (want * context_parallel, "the replicated weights' gradients were summed over the context group, not "
+                                          "averaged: each context rank's loss is the mean over its own chunk")])
+            return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
+                f": {hint}" if hint else "")
+    return None
+
+
+def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
+    """Train on the (context, tensor) mesh of `world_size` ranks ((2, 2) on 4): the ring's sends on the context
+    group and every collective on its group (refused on the rank before it runs), the calls counted against
+    nd.formula_calls_cp, the positions RoPE saw, the first step's gradient shards, then losses and weights after
+    `num_steps` AdamW steps, against one process (1e-12)."""
+    from utils.launch import RankError
+
+    (n,) = runnable_world_sizes([world_size])
+    mesh = mesh_cp(n)
+    nd.check_sizes_cp(sizes, mesh, n)  # a ValueError names what does not split, before any rank starts
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    try:
+        runs = spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed,
+                     timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        if "CompositionMistake" in e.summary:
+            raise AssertionError(f"on mesh (context, tensor) = {mesh}: "
+                                 + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+        raise
+    want_calls = nd.formula_calls_cp(sizes, mesh)
+    problem = next((f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: calls per step "
+                    f"{ {k: c for k, (c, _) in run.counts.items()} }, expected {want_calls}" for run in runs
+                    if {k: c for k, (c, _) in run.counts.items()} != want_calls), None) or \
+        _cp_problem(runs, mesh, sizes, reference_gradients(sizes, seed))
+    if problem:
+        raise AssertionError(problem)
+    got = nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh)
+    wrong = [name for name, w in weights.items() if not close(got[name], w)]
+    got_losses = nd.global_losses(runs, mesh[0])
+    if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
+        raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
+                             f"the losses {[round(x, 6) for x in got_losses]} (one process: "
+                             f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ")
+    print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}, {sizes.seq_len} tokens: the "
+          f"ring on the context group, every call counted as the formulas say, RoPE at global positions; every "
+          f"gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps equal one "
+          f"process's (1e-12)")
