@@ -192,24 +192,33 @@ def _group_problem(run, mesh):
     return None
 
 
-def _gradient_problem(runs, mesh, grads):
-    data_parallel, tensor_parallel = mesh
+def _first_wrong_shard(runs, mesh, dims, grads, who, mistakes, names=None, plane=tuple):
+    """The first step's first gradient shard, rank by rank, that differs from one process's, in words (with the hint
+    of the first of `mistakes(run, name, want)`, (value, hint) pairs, that the shard confirms), or None. dims: the
+    mesh's dimension names; names(run): the parameters a rank holds (all of `grads`); plane(coordinate): the rank's
+    (data, tensor) coordinate."""
+    data_parallel, tensor_parallel = mesh[0], mesh[-1]
     for run in runs:
-        for name, grad in grads.items():
-            want = _expected_shard(grad, name, run.coordinate, data_parallel, tensor_parallel)
+        for name in (names(run) if names else grads):
+            want = _expected_shard(grads[name], name, plane(run.coordinate), data_parallel, tensor_parallel)
             got = run.synced[name]
-            where = f"on mesh (data, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
+            where = f"on mesh ({', '.join(dims)}) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
             if got is None:
-                return f"{where} is None: sync_gradients must set shards[name].grad for every parameter"
+                return f"{where} is None: {who} must set shards[name].grad for every parameter the rank holds"
             if close(got, want):
                 continue
             if got.shape != want.shape:
                 return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}: the shard's own shape " \
-                       f"(1/data of this rank's parameter)"
-            hint = confirmed(got, _gradient_mistakes(runs, run, name, want, mesh, grads))
+                       f"(1/{dims[0]} of this rank's parameter)"
+            hint = confirmed(got, mistakes(run, name, want))
             return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
                 f": {hint}" if hint else "")
     return None
+
+
+def _gradient_problem(runs, mesh, grads):
+    return _first_wrong_shard(runs, mesh, ("data", "tensor"), grads, "sync_gradients",
+                              lambda run, name, want: _gradient_mistakes(runs, run, name, want, mesh, grads))
 
 
 def _gradient_mistakes(runs, run, name, want, mesh, grads):
@@ -342,29 +351,19 @@ def _count_problem(run, sizes, mesh, num_micro_batches):
 
 def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches):
     data_parallel, _, tensor_parallel = mesh
-    for run in runs:
-        for name in run.names:
-            want = _expected_shard(grads[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
-            got = run.synced[name]
-            where = f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
-            if got is None:
-                return f"{where} is None: train_step must set shards[name].grad for every parameter of its stage"
-            if close(got, want):
-                continue
-            if got.shape != want.shape:
-                return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-            kept = _expected_shard(last[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
-            m = num_micro_batches
-            hint = confirmed(got, [
-                (m * want, f"it is {m} times too large: the loss of each micro-batch was not divided by the number "
+    m = num_micro_batches
+
+    def mistakes(run, name, want):
+        kept = _expected_shard(last[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
+        return [(m * want, f"it is {m} times too large: the loss of each micro-batch was not divided by the number "
                            f"of micro-batches ({m}): the step's loss is their mean"),
                 (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
                            "zero the gradients between micro-batches"),
                 (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
-                       "micro-batches)")])
-            return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
-                f": {hint}" if hint else "")
-    return None
+                       "micro-batches)")]
+
+    return _first_wrong_shard(runs, mesh, ("data", "pipeline", "tensor"), grads, "train_step", mistakes,
+                              names=lambda run: run.names, plane=lambda coordinate: coordinate[::2])
 
 
 def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
@@ -433,26 +432,12 @@ def _cp_problem(runs, mesh, sizes, grads):
                     "(ra.chunk_positions(seq_len, C)[c]), or its queries and keys rotate as if every chunk started "
                     "the sequence" if run.positions == list(range(len(chunks[c]))) else "")
             return f"{where}: the attention saw positions {run.positions}, expected {chunks[c].tolist()}{hint}"
-    for run in runs:
-        for name, grad in grads.items():
-            want = _expected_shard(grad, name, run.coordinate, context_parallel, tensor_parallel)
-            got = run.synced[name]
-            where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: the gradient of {name}'s shard"
-            if got is None:
-                return f"{where} is None: the sync must set shards[name].grad for every parameter"
-            if close(got, want):
-                continue
-            if got.shape != want.shape:
-                return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-            hint = confirmed(got, [
-                (want / context_parallel, f"it is {context_parallel} times too small: the context group's mean was "
-                                          f"taken twice (the loss divided by the context size, and the sync's "
-                                          f"reduce-scatter averaging over it): divide the loss by T only"),
-                (want * context_parallel, "the replicated weights' gradients were summed over the context group, not "
-                                          "averaged: each context rank's loss is the mean over its own chunk")])
-            return f"{where} differs from one process's by up to {max_abs_diff(got, want):.3g}" + (
-                f": {hint}" if hint else "")
-    return None
+    return _first_wrong_shard(runs, mesh, ("context", "tensor"), grads, "train_step", lambda run, name, want: [
+        (want / context_parallel, f"it is {context_parallel} times too small: the context group's mean was taken "
+                                  f"twice (the loss divided by the context size, and the sync's reduce-scatter "
+                                  f"averaging over it): divide the loss by T only"),
+        (want * context_parallel, "the replicated weights' gradients were summed over the context group, not "
+                                  "averaged: each context rank's loss is the mean over its own chunk")])
 
 
 def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
