@@ -470,23 +470,32 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     dist.all_reduce(wrong, op=dist.ReduceOp.MAX)  # every rank stops if one stage is wrong (not logged: the check's)
     if wrong.item():
         return run
-    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
-    guard = guard_3d(groups, tensor_parallel)
-    for step in range(num_steps):
-        inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate[::2], data_parallel, tensor_parallel)
+    def step(i):
+        inputs, targets = my_tokens(*make_tokens(sizes, seed, i), coordinate[::2], data_parallel, tensor_parallel)
         micro_batches = list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
+        return train_step(model, shards.shards, micro_batches, groups)
+
+    return _train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel), step, num_steps, lr)
+
+
+def _train_and_record(run, shards, groups, guard, step, num_steps, lr):
+    """The loop of train_3d_main and train_cp_main: each step unshard, loss = step(i) (the forwards, backwards and
+    the gradients' sync: every shard's .grad set), every call guarded; AdamW on the shards, reshard. The first
+    step's gradient shards, calls and bytes per group are recorded in `run`."""
+    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
+    for i in range(num_steps):
         start = time.perf_counter()
         with communication_by_group(groups, guard) as log:
             shards.unshard()
-            loss = train_step(model, shards.shards, micro_batches, groups)
-        if step == 0:
+            loss = step(i)
+        if i == 0:
             run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
             run.counts, run.bytes = calls_per_group(log), bytes_per_group(log)
         optimizer.step()
         optimizer.zero_grad()
         shards.reshard()
         run.seconds.append(time.perf_counter() - start)
-        run.losses.append(float(loss or 0.0))
+        run.losses.append(float(loss or 0.0))  # a pipeline stage without the loss returns 0
     run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
     return run
 
@@ -602,23 +611,12 @@ def train_cp_main(rank, world_size, parallelize, train_step, sizes, mesh, num_st
         run.positions = run.positions or positions.tolist()
         return attend(q, k, v, positions)
     first.attend = recorded
-    optimizer = make_optimizer(shards.parameters(), "adamw", lr)
-    for step in range(num_steps):
-        inputs, targets = cp_tokens(*make_tokens(sizes, seed, step), (coordinate, mesh))
-        start = time.perf_counter()
-        with communication_by_group(groups, guard_cp(groups)) as log:
-            shards.unshard()
-            loss = train_step(model, shards.shards, inputs, targets, groups)
-        if step == 0:
-            run.synced = {name: None if s.grad is None else s.grad.clone() for name, s in shards.shards.items()}
-            run.counts, run.bytes = calls_per_group(log), bytes_per_group(log)
-        optimizer.step()
-        optimizer.zero_grad()
-        shards.reshard()
-        run.seconds.append(time.perf_counter() - start)
-        run.losses.append(float(loss))
-    run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
-    return run
+
+    def step(i):
+        inputs, targets = cp_tokens(*make_tokens(sizes, seed, i), (coordinate, mesh))
+        return train_step(model, shards.shards, inputs, targets, groups)
+
+    return _train_and_record(run, shards, groups, guard_cp(groups), step, num_steps, lr)
 
 
 def formula_calls_cp(sizes, mesh):
