@@ -1,0 +1,166 @@
+"""3-D: pipeline stages on a (data, pipeline, tensor) mesh (notebook 12, section 3). Each pipeline stage is section 2's
+composition (utils.nd_parallel.fsdp_tensor) on its own (data, tensor) plane, holding its share of the layers; between
+the stages, notebook 04's 1F1B sends the hidden states forward and their gradients backward to the neighbouring
+pipeline coordinate with the same data and tensor coordinates (rank -/+ T)."""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from utils import sequence_parallel as sp
+from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, peer_of
+from utils.nd_parallel.fsdp_tensor import full_weights, my_tokens, sharded_over_tensor, train_and_record
+from utils.nd_parallel.mesh import MESH_3D, check_mesh, mesh_groups
+from utils.sizes import check_int, divide
+from utils.transformer import Transformer, build_transformer, make_tokens
+
+
+def check_sizes_3d(sizes, mesh, world_size, num_micro_batches):
+    """Section 2's sizes on the (data, tensor) dimensions, the layers split evenly over the pipeline dimension, and
+    each data rank's sequences into equal micro-batches: a ValueError names what does not, before any rank starts.
+    Returns the micro-batch size."""
+    data_parallel, pipeline_parallel, tensor_parallel = check_mesh(mesh, world_size, MESH_3D)
+    sp.check_sizes(sizes, tensor_parallel, "tensor_parallel")
+    divide("num_layers", sizes.num_layers, "pipeline_parallel", pipeline_parallel, "every stage runs as many layers")
+    local = divide("batch_size", sizes.batch_size, "data_parallel", data_parallel,
+                   "each data-parallel rank trains on as many sequences")
+    return divide("batch_size / data_parallel", local, "num_micro_batches", check_int("num_micro_batches",
+                  num_micro_batches), "the micro-batches are equal")
+
+
+def stage_names(sizes, stage, num_stages):
+    """The parameter names pipeline stage `stage` holds: its layers (utils.pipeline.stage_layers), the embedding on
+    the first stage, the final norm and the LM head on the last."""
+    from utils.pipeline import stage_layers
+
+    with torch.device("meta"):
+        model = Transformer(sizes)
+    layers = {str(i) for i in stage_layers(sizes.num_layers, num_stages)[stage]}
+    return [name for name, _ in model.named_parameters()
+            if (name.startswith("layers.") and name.split(".")[1] in layers)
+            or (name.startswith("tok_embeddings") and stage == 0)
+            or (name.startswith(("norm.", "output.")) and stage == num_stages - 1)]
+
+
+def stage_forward(model, x, seq_len):
+    """A stage's forward of one micro-batch: tokens on the first stage, the previous stage's hidden states (this
+    tensor rank's chunk of the sequence) elsewhere; the blocks see the whole sequence's positions."""
+    return model(x, torch.arange(seq_len))
+
+
+def hidden_like(tokens, sizes):
+    """A buffer for the hidden states of `tokens` (batch, this rank's chunk of positions): what a stage receives."""
+    return torch.empty(*tokens.shape, sizes.dim, dtype=torch.float64)
+
+
+def pipeline_neighbours(pipeline_group):
+    """The global ranks of the previous and next pipeline stages (None at the ends): the ranks with the same data
+    and tensor coordinates, one pipeline coordinate away (rank -/+ T on a (data, pipeline, tensor) mesh)."""
+    stage, size = dist.get_rank(pipeline_group), dist.get_world_size(pipeline_group)
+    return tuple(dist.get_global_rank(pipeline_group, s) if 0 <= s < size else None for s in (stage - 1, stage + 1))
+
+
+def guard_3d(groups, tensor_parallel):
+    """guard(call, arguments) for communication_by_group: a send/recv only to a pipeline neighbour, a collective
+    only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs."""
+    neighbours = pipeline_neighbours(groups["pipeline"])
+    rank = dist.get_rank()
+
+    def guard(call, arguments):
+        if call.name in PEER_NAMES:
+            peer = peer_of(call.name, arguments)
+            if peer in neighbours and call.group in ("pipeline", "world"):
+                return
+            if peer in (rank - 1, rank + 1) and peer not in neighbours:
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} talks to rank {peer}, its tensor neighbour (rank +/- 1): the next "
+                    f"pipeline stage with the same data and tensor coordinates is rank +/- T = {tensor_parallel} "
+                    f"(dist.get_global_rank(pipeline_group, stage +/- 1), or group_dst/group_src on the pipeline "
+                    f"group)")
+            raise CompositionMistake(f"rank {rank}'s {call.name} on the {call.group} group talks to rank {peer}, not "
+                                     f"to a pipeline neighbour {[n for n in neighbours if n is not None]}")
+        if call.group not in ("data", "tensor"):
+            raise CompositionMistake(
+                f"rank {rank}: a {call.name} on the {call.group} group: the gradients were synchronised over more "
+                f"than the data group (or on the pipeline group), but the pipeline's stages hold different layers: "
+                f"only the ranks of a data group hold copies of the same weights (and a tensor group's whole ones)")
+    return guard
+
+
+@dataclasses.dataclass
+class Run3D:
+    coordinate: tuple  # (data, pipeline, tensor)
+    names: list  # the parameters this rank's stage holds
+    losses: list = dataclasses.field(default_factory=list)  # this rank's loss share, by step (0 off the last stage)
+    shards: dict = None  # name: this rank's flat shard after the last step
+    synced: dict = None  # first step: name: the shard's gradient after the sync
+    counts: dict = None  # first step: (group, collective): (calls, bytes handed to them)
+    bytes: dict = None  # first step: group: bytes written to the sockets
+    seconds: list = dataclasses.field(default_factory=list)  # each step's time
+    error: str = ""  # what is wrong with the stage's parameters, if anything (the run stops before training)
+
+
+def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed=0,
+                  lr=1e-2):
+    """Train the course's transformer on the (data, pipeline, tensor) mesh: model, shards = parallelize(model,
+    groups); each step unshard, then loss = train_step(model, shards.shards, micro_batches, groups) (its stage's
+    forwards and backwards of this rank's micro-batches, and the gradients' sync: every shard's .grad set), AdamW
+    on the shards, reshard. Every call is guarded (guard_3d); the first step is recorded (Run3D)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    groups, coordinate = mesh_groups(mesh, MESH_3D)
+    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    run = Run3D(coordinate, sorted(shards.shards))
+    want = sorted(stage_names(sizes, coordinate[1], pipeline_parallel))
+    run.error = "" if run.names == want else _stage_hint(run.names, want, coordinate[1], pipeline_parallel)
+    wrong = torch.tensor([float(bool(run.error))])
+    dist.all_reduce(wrong, op=dist.ReduceOp.MAX)  # every rank stops if one stage is wrong (not logged: the check's)
+    if wrong.item():
+        return run
+    def step(i):
+        inputs, targets = my_tokens(*make_tokens(sizes, seed, i), coordinate[::2], data_parallel, tensor_parallel)
+        micro_batches = list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
+        return train_step(model, shards.shards, micro_batches, groups)
+
+    return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel), step, num_steps, lr)
+
+
+def _stage_hint(names, want, stage, num_stages):
+    """Why a stage holds the wrong parameters, in words."""
+    has = {n.split(".")[0] for n in names}
+    where = f"pipeline stage {stage} of {num_stages} holds {sorted(has)}"
+    if stage == num_stages - 1 and "tok_embeddings" in has and stage != 0:
+        return f"{where}: the embedding on the last stage: it belongs on the first, which turns tokens into vectors"
+    if stage == 0 and "output" in has and num_stages > 1:
+        return f"{where}: the LM head on the first stage: it belongs on the last, which computes the loss"
+    missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
+    return (f"{where}: missing {missing[:3]}, extra {extra[:3]}: a stage keeps its layers "
+            f"(utils.pipeline.stage_layers), the first the embedding, the last the final norm and the LM head")
+
+
+def full_weights_3d(runs, shapes, mesh):
+    """The model's weights from every rank's shards: each stage's from its (data, tensor) ranks (full_weights)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    weights = {}
+    for stage in range(pipeline_parallel):
+        mine = [runs[(d * pipeline_parallel + stage) * tensor_parallel + t]
+                for d in range(data_parallel) for t in range(tensor_parallel)]
+        weights.update(full_weights(mine, {name: shapes[name] for name in mine[0].names}, data_parallel,
+                                    tensor_parallel))
+    return weights
+
+
+def formula_calls_3d(sizes, mesh, num_micro_batches, stage):
+    """{(group, collective): calls} one rank of pipeline stage `stage` makes per step: FSDP's all-gather and
+    reduce-scatter of each of the stage's parameters once (data), 4 gathers and 4 reduce-scatters along the
+    sequence per layer and micro-batch, an all-reduce per whole weight (tensor), and a send and a receive per
+    micro-batch to a neighbour (pipeline)."""
+    data_parallel, pipeline_parallel, tensor_parallel = mesh
+    names = stage_names(sizes, stage, pipeline_parallel)
+    layers, m = sizes.num_layers // pipeline_parallel, num_micro_batches
+    calls = {("data", "all_gather"): len(names), ("data", "reduce_scatter"): len(names)}  # on a group of 1 too
+    if tensor_parallel > 1:
+        calls.update({("tensor", "all_gather"): 4 * layers * m, ("tensor", "reduce_scatter"): 4 * layers * m,
+                      ("tensor", "all_reduce"): sum(not sharded_over_tensor(n) for n in names)})
+    if pipeline_parallel > 1:
+        calls.update({("pipeline", "isend"): m, ("pipeline", "recv"): m})
+    return calls
