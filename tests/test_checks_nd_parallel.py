@@ -193,6 +193,16 @@ PIPELINE_MISTAKES = {
     "LM head on the first stage": (
         {"    if stage < num_stages - 1:\n        model.norm = model.output = None":
          "    if stage > 0:\n        model.norm = model.output = None"}, "the LM head on the first stage"),
+    "sync on the pipeline group": (
+        {"    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"data\"])\n    return loss":
+         "    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"pipeline\"])\n    return loss"},
+        "on the pipeline group: the gradients were synchronised"),
+    "sync over data x pipeline": (  # a group of the ranks with this rank's tensor coordinate, built by hand
+        {"    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"data\"])\n    return loss":
+         "    planes = [dist.new_group([r for r in range(dist.get_world_size()) if r % tensor_parallel == t])\n"
+         "              for t in range(tensor_parallel)]\n"
+         "    sync_gradients_2d(model, shards, groups[\"tensor\"], planes[rank % tensor_parallel])\n    return loss"},
+        "a group of ranks \\[\\d, \\d\\]: the gradients were synchronised over more than the data group"),
     "sync over the whole world": (
         {"    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"data\"])\n    return loss":
          "    sync_gradients_2d(model, shards, groups[\"tensor\"], dist.group.WORLD)\n    return loss"},
@@ -203,6 +213,23 @@ PIPELINE_MISTAKES = {
 @pytest.mark.parametrize("mistake", PIPELINE_MISTAKES)
 def test_3d_mistakes_are_named(mistake):
     replace, hint = PIPELINE_MISTAKES[mistake]
+    wrong = solution(NAME, replace=replace)
+    with pytest.raises(AssertionError, match=hint):
+        check_pipeline_3d(wrong.parallelize_3d, wrong.train_step_3d, **THREE_D)
+
+
+UNPAIRED = {  # a peer leaves (or on a longer run the ranks stall: the timeout is shortened here); the journals say why
+    "a forward's receive left out": ({"dist.recv(x, previous, group=pipeline)": "pass"},
+                                     "sent 2 message\\(s\\) to rank 2 \\(stage 1\\), which posted 0 receive"),
+    "a backward's send left out": ({"sends.append(dist.isend(x.grad, previous, group=pipeline))": "pass"},
+                                   "sent 0 message\\(s\\) to rank 0 \\(stage 0\\), which posted 1 receive"),
+}
+
+
+@pytest.mark.parametrize("mistake", UNPAIRED)
+def test_3d_unpaired_sends_and_receives_are_named(mistake, monkeypatch):
+    monkeypatch.setattr("utils.checks.nd_parallel.CHECK_TIMEOUT", 3)
+    replace, hint = UNPAIRED[mistake]
     wrong = solution(NAME, replace=replace)
     with pytest.raises(AssertionError, match=hint):
         check_pipeline_3d(wrong.parallelize_3d, wrong.train_step_3d, **THREE_D)
@@ -244,6 +271,12 @@ CP_MISTAKES = {
     "the ring on the world": ({"ring_attend(ra.RingAttention, positions, group=groups[\"context\"])":
                                "ring_attend(ra.RingAttention, positions, group=dist.group.WORLD)"},
                               "ran on the world group: the ring belongs to the context group"),
+    "the groups swapped in parallelize_2d": (
+        {'return parallelize_2d(model, groups["tensor"], groups["context"])':
+         'return parallelize_2d(model, groups["context"], groups["tensor"])'}, "FSDP's all-gathers ran on the tensor"),
+    "the groups swapped in the sync": (
+        {'sync_gradients_2d(model, shards, groups["tensor"], context)':
+         'sync_gradients_2d(model, shards, context, groups["tensor"])'}, "FSDP's reduce-scatters of the gradients ran"),
     "the context group's mean taken twice": (
         {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
          "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel / dist.get_world_size(context)"},

@@ -12,6 +12,7 @@ mistake recomputed from the ranks' own gradients explains it, then losses and we
 against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes.
 """
 import math
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -366,6 +367,19 @@ def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches):
                               names=lambda run: run.names, plane=lambda coordinate: coordinate[::2])
 
 
+def _unpaired_hint(unpaired, mesh, num_micro_batches):
+    """Ranks waited in vain, and the journals show why: messages sent and never received, or awaited and never sent."""
+    tensor_parallel = mesh[2]
+    lines = [f"rank {a} (stage {a // tensor_parallel % mesh[1]}) sent {sent} message(s) to rank {b} (stage "
+             f"{b // tensor_parallel % mesh[1]}), which posted {received} receive(s) from it"
+             for a, b, sent, received in unpaired[:4]]
+    return (f"on mesh (data, pipeline, tensor) = {mesh} ranks waited for a peer in vain (a stall, or a peer gone), "
+            f"and their sends and receives do not pair up: " + "; ".join(lines) + f". Every message needs its "
+            f"receive on the neighbour: per step, each stage but the first receives {num_micro_batches} "
+            f"micro-batches' hidden states from the previous stage and each but the last sends them on; backward, "
+            f"their gradients the other way, as many")
+
+
 def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
                       num_steps=NUM_STEPS, seed=0):
     """Train on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on 8) with 1F1B over
@@ -378,14 +392,19 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     mesh = mesh_3d(n)
     nd.check_sizes_3d(sizes, mesh, n, num_micro_batches)  # a ValueError names what does not split
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
-    try:
-        runs = spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
-                     timeout=CHECK_TIMEOUT)
-    except RankError as e:
-        if "CompositionMistake" in e.summary:
-            raise AssertionError(f"on mesh (data, pipeline, tensor) = {mesh}: "
-                                 + e.summary.split("CompositionMistake: ", 1)[-1]) from None
-        raise
+    with tempfile.TemporaryDirectory() as journal_dir:
+        try:
+            runs = spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+                         seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
+        except (RankError, TimeoutError) as e:
+            if isinstance(e, RankError) and "CompositionMistake" in e.summary:
+                raise AssertionError(f"on mesh (data, pipeline, tensor) = {mesh}: "
+                                     + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+            waited = isinstance(e, TimeoutError) or "already returned from fn" in e.summary  # for a peer, in vain
+            unpaired = waited and nd.unpaired_messages(journal_dir, n)
+            if unpaired:
+                raise AssertionError(_unpaired_hint(unpaired, mesh, num_micro_batches)) from e
+            raise
     errors = [run.error for run in runs if run.error]
     if errors:
         raise AssertionError(next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]))
@@ -440,6 +459,23 @@ def _cp_problem(runs, mesh, sizes, grads):
                                   "averaged: each context rank's loss is the mean over its own chunk")])
 
 
+def _cp_count_problem(run, mesh, want):
+    """One rank's calls of the first step against nd.formula_calls_cp, in words (naming FSDP's collectives on the
+    tensor group when the counts show them there), or None."""
+    got = {k: calls for k, (calls, _) in run.counts.items()}
+    if got == want:
+        return None
+    where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: calls per step {got}, expected {want}"
+    fsdp_gathers, fsdp_scatters = want[("context", "all_gather")], want[("context", "reduce_scatter")]
+    if got.get(("tensor", "all_gather"), 0) >= fsdp_gathers > got.get(("context", "all_gather"), 0):
+        return (f"{where}: FSDP's all-gathers ran on the tensor group: the context group takes the data group's "
+                f"place in parallelize_2d (its ranks hold the same weights), the tensor group stays the tensor group")
+    if got.get(("tensor", "reduce_scatter"), 0) >= fsdp_scatters > got.get(("context", "reduce_scatter"), 0):
+        return (f"{where}: FSDP's reduce-scatters of the gradients ran on the tensor group: the sync's data group is "
+                f"the context group, whose ranks hold copies of the same weights")
+    return where
+
+
 def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
     """Train on the (context, tensor) mesh of `world_size` ranks ((2, 2) on 4): the ring's sends on the context
     group and every collective on its group (refused on the rank before it runs), the calls counted against
@@ -460,9 +496,7 @@ def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZE
                                  + e.summary.split("CompositionMistake: ", 1)[-1]) from None
         raise
     want_calls = nd.formula_calls_cp(sizes, mesh)
-    problem = next((f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: calls per step "
-                    f"{ {k: c for k, (c, _) in run.counts.items()} }, expected {want_calls}" for run in runs
-                    if {k: c for k, (c, _) in run.counts.items()} != want_calls), None) or \
+    problem = next((p for run in runs if (p := _cp_count_problem(run, mesh, want_calls))), None) or \
         _cp_problem(runs, mesh, sizes, reference_gradients(sizes, seed))
     if problem:
         raise AssertionError(problem)

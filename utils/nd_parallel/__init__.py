@@ -51,4 +51,5 @@ from utils.nd_parallel.pipeline_3d import (
     stage_forward,
     stage_names,
     train_3d_main,
+    unpaired_messages,
 )

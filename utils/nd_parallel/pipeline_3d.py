@@ -2,7 +2,9 @@
 composition (utils.nd_parallel.fsdp_tensor) on its own (data, tensor) plane, holding its share of the layers; between
 the stages, notebook 04's 1F1B sends the hidden states forward and their gradients backward to the neighbouring
 pipeline coordinate with the same data and tensor coordinates (rank -/+ T)."""
+import contextlib
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -60,9 +62,11 @@ def pipeline_neighbours(pipeline_group):
     return tuple(dist.get_global_rank(pipeline_group, s) if 0 <= s < size else None for s in (stage - 1, stage + 1))
 
 
-def guard_3d(groups, tensor_parallel):
+def guard_3d(groups, tensor_parallel, journal=None):
     """guard(call, arguments) for communication_by_group: a send/recv only to a pipeline neighbour, a collective
-    only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs."""
+    only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs. Each
+    send/recv let through is written to `journal` (a line-buffered file, if given) as "name peer": if the ranks
+    stall, the parent reads which messages were never paired (unpaired_messages)."""
     neighbours = pipeline_neighbours(groups["pipeline"])
     rank = dist.get_rank()
 
@@ -70,6 +74,8 @@ def guard_3d(groups, tensor_parallel):
         if call.name in PEER_NAMES:
             peer = peer_of(call.name, arguments)
             if peer in neighbours and call.group in ("pipeline", "world"):
+                if journal is not None:
+                    journal.write(f"{call.name} {peer}\n")
                 return
             if peer in (rank - 1, rank + 1) and peer not in neighbours:
                 raise CompositionMistake(
@@ -80,8 +86,10 @@ def guard_3d(groups, tensor_parallel):
             raise CompositionMistake(f"rank {rank}'s {call.name} on the {call.group} group talks to rank {peer}, not "
                                      f"to a pipeline neighbour {[n for n in neighbours if n is not None]}")
         if call.group not in ("data", "tensor"):
+            on = f"the {call.group} group" if call.group != "other" else \
+                f"a group of ranks {dist.get_process_group_ranks(arguments['group'])}"  # not one of the mesh's
             raise CompositionMistake(
-                f"rank {rank}: a {call.name} on the {call.group} group: the gradients were synchronised over more "
+                f"rank {rank}: a {call.name} on {on}: the gradients were synchronised over more "
                 f"than the data group (or on the pipeline group), but the pipeline's stages hold different layers: "
                 f"only the ranks of a data group hold copies of the same weights (and a tensor group's whole ones)")
     return guard
@@ -101,11 +109,12 @@ class Run3D:
 
 
 def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed=0,
-                  lr=1e-2):
+                  lr=1e-2, journal_dir=None):
     """Train the course's transformer on the (data, pipeline, tensor) mesh: model, shards = parallelize(model,
     groups); each step unshard, then loss = train_step(model, shards.shards, micro_batches, groups) (its stage's
     forwards and backwards of this rank's micro-batches, and the gradients' sync: every shard's .grad set), AdamW
-    on the shards, reshard. Every call is guarded (guard_3d); the first step is recorded (Run3D)."""
+    on the shards, reshard. Every call is guarded (guard_3d; its sends and receives journaled in `journal_dir`, one
+    file per rank, if given); the first step is recorded (Run3D)."""
     data_parallel, pipeline_parallel, tensor_parallel = mesh
     groups, coordinate = mesh_groups(mesh, MESH_3D)
     model, shards = parallelize(build_transformer(sizes, seed), groups)
@@ -121,7 +130,26 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
         micro_batches = list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
         return train_step(model, shards.shards, micro_batches, groups)
 
-    return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel), step, num_steps, lr)
+    with contextlib.ExitStack() as stack:
+        journal = stack.enter_context(open(os.path.join(journal_dir, f"{rank}"), "w", buffering=1)) \
+            if journal_dir else None
+        return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel, journal), step, num_steps, lr)
+
+
+def unpaired_messages(journal_dir, world_size):
+    """From the journals of a run that stalled: [(sender, receiver, sent, received)] for every pair of ranks whose
+    sends (send, isend) and receives (recv, irecv) do not pair up; None when a rank left no journal."""
+    names = {rank: os.path.join(journal_dir, f"{rank}") for rank in range(world_size)}
+    if not all(os.path.exists(path) for path in names.values()):
+        return None
+    sent, received = {}, {}
+    for rank, path in names.items():
+        with open(path) as journal:
+            for name, peer in (line.split() for line in journal if line.strip()):
+                pair, counts = ((rank, int(peer)), sent) if "send" in name else ((int(peer), rank), received)
+                counts[pair] = counts.get(pair, 0) + 1
+    return [(a, b, sent.get((a, b), 0), received.get((a, b), 0)) for a, b in sorted(set(sent) | set(received))
+            if sent.get((a, b), 0) != received.get((a, b), 0)]
 
 
 def _stage_hint(names, want, stage, num_stages):
