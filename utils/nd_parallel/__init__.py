@@ -13,7 +13,15 @@ from utils.nd_parallel.communication import (
     calls_per_group,
     communication_by_group,
 )
-from utils.nd_parallel.context import MESH_CP, RunCP, check_sizes_cp, cp_tokens, formula_calls_cp, train_cp_main
+from utils.nd_parallel.context import (
+    MESH_CP,
+    RunCP,
+    check_sizes_cp,
+    cp_tokens,
+    formula_calls_cp,
+    train_cp_main,
+    train_pytorch_cp_main,
+)
 from utils.nd_parallel.fsdp_tensor import (
     FlatShards,
     Run2D,
@@ -51,4 +59,5 @@ from utils.nd_parallel.pipeline_3d import (
     stage_forward,
     stage_names,
     train_3d_main,
+    train_pytorch_3d_main,
 )
