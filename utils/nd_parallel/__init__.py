@@ -25,6 +25,7 @@ from utils.nd_parallel.context import (
 from utils.nd_parallel.fsdp_tensor import (
     FlatShards,
     Run2D,
+    agreement,
     check_sizes_2d,
     formula_memory_2d,
     full_weights,
@@ -34,6 +35,7 @@ from utils.nd_parallel.fsdp_tensor import (
     measure_2d,
     my_tokens,
     sharded_over_tensor,
+    step_time,
     tensor_sequence_parallel,
     tensor_shard,
     train_2d_main,
