@@ -4,7 +4,9 @@
     fsdp_tensor.py    section 2: FSDP x tensor (and sequence) parallel on a (data, tensor) mesh, the runs that train it
                       (ours, PyTorch's) and the loop the compositions share
     pipeline_3d.py    section 3: pipeline stages on a (data, pipeline, tensor) mesh, each stage section 2's composition
+                      (ours, and PyTorch's run: PipelineStage and Schedule1F1B)
     context.py        section 4: ring attention on a (context, tensor) mesh, composed with section 2's
+                      (ours, and PyTorch's context_parallel run, which fails on CPU)
     communication.py  every call recorded per group, and what the guards refuse before a call can hang the ranks
 """
 from utils.nd_parallel.communication import (
