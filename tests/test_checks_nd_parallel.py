@@ -322,3 +322,19 @@ def test_pipeline_and_ring_bytes_at_the_calls_are_the_planners():
     for run in runs:
         sent = sum(b for (group, op), (_, b) in run.counts.items() if op == "isend")
         assert sent == pl.small_model_bytes(sizes, cp=2, tp=2, gathers_per_step=1)["cp"]
+
+
+def test_the_agreement_lines_say_false_when_a_run_differs():
+    """The notebook prints nd.agreement's verdicts against PyTorch (sections 2 and 3; strict nbval keeps them True):
+    they must be able to say False, for the weights, for the losses, and between the runs."""
+    import torch
+
+    want, want_losses = {"w": torch.zeros(3)}, [1.0, 0.5]
+    off = {"w": torch.tensor([0.0, 1e-9, 0.0])}
+    text = nd.agreement({"ours": (want, want_losses), "PyTorch's": (off, want_losses)}, want, want_losses)
+    assert text.splitlines() == [
+        "     ours: losses and weights against one process: largest difference below 1e-12: True",
+        "PyTorch's: losses and weights against one process: largest difference below 1e-12: False",
+        "ours against PyTorch's: weights' largest difference below 1e-12: False"]
+    assert "False" in nd.agreement({"ours": (want, [1.0, 0.5 + 1e-9])}, want, want_losses)
+    assert nd.step_time([[9.0, 1.0, 2.0, 3.0], [9.0, 4.0, 5.0, 6.0]]) == 5.0  # the slowest rank's median, not the 1st

@@ -13,9 +13,12 @@ A student who wants to see how PyTorch does it reads it here, a few lines each, 
     notebook 09  sequence parallel  DTensor, SequenceParallel          sequence_parallel_plan, sequence_parallel_block
     notebook 11  pipeline schedules torch.distributed.pipelining       pipeline_schedule_pieces, pipeline_step_pieces
     notebook 12  FSDP x TP + SP     parallelize_module, fully_shard    fsdp_tensor_parallel_transformer, full_tensor
+    notebook 12  FSDP x PP x TP     + PipelineStage, Schedule1F1B      pipeline_fsdp_tensor_parallel_transformer
+    notebook 12  CP x TP (+ FSDP)   + context_parallel                 context_parallel_transformer (not on CPU)
 
 All of them run on CPU with gloo (torch 2.13.0), on a 1-D "cpu" device mesh where they need one (notebook 12's: a
-2-D (data, tensor) mesh).
+2-D (data, tensor) and a 3-D (data, pipeline, tensor) mesh), except context_parallel: its ring replaces the CUDA
+attention kernels only, and on CPU scaled_dot_product_attention's kernel has no sharding strategy (NotImplementedError).
 """
 import contextlib
 
@@ -94,30 +97,104 @@ def sequence_parallel_block(world_size, sizes, seed=0, dtype=torch.float64):
     return parallelize_module(reference_block(sizes, seed, dtype), mesh, sequence_parallel_plan())
 
 
-def fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed=0, dtype=torch.float64):
-    """The course's transformer as torchtitan composes FSDP and tensor parallel (notebook 12): parallelize_module on
-    mesh["tensor"] (each block: sequence_parallel_plan; the embedding row-parallel over the vocabulary, leaving the
-    sequence sharded; the final norm SequenceParallel; the LM head column parallel, its logits gathered whole), then
-    fully_shard of each block and of the root on mesh["data"]. Takes each data rank's whole token sequence; every
-    tensor rank returns the same logits. Returns (model, mesh)."""
-    from torch.distributed.fsdp import fully_shard
+def transformer_tensor_parallel_plan(model):
+    """torchtitan's tensor + sequence parallel plan of the course's transformer, or of a pipeline stage of it (the
+    modules it holds): each block sequence_parallel_plan; the embedding row-parallel over the vocabulary, leaving the
+    sequence sharded; the final norm SequenceParallel; the LM head column parallel, its logits gathered whole."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        plan.update({"norm": SequenceParallel(),
+                     "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for name in model.layers:
+        plan.update(sequence_parallel_plan(f"layers.{name}."))
+    return plan
+
+
+def tensor_parallel_fully_shard(model, tensor_mesh, data_mesh):
+    """torchtitan's order: parallelize_module on the tensor mesh (transformer_tensor_parallel_plan), then fully_shard
+    of each block and of the root on the data mesh. Its parameters become DTensors on the 2-D mesh."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tensor_mesh, transformer_tensor_parallel_plan(model))
+    if model.output is not None:
+        model.output.register_forward_hook(lambda module, inputs, logits: logits.clone())  # FSDP2 warns of a view
+    for block in model.layers.values():
+        fully_shard(block, mesh=data_mesh)
+    return fully_shard(model, mesh=data_mesh)
+
+
+def fsdp_tensor_parallel_transformer(data_parallel, tensor_parallel, sizes, seed=0, dtype=torch.float64):
+    """The course's transformer as torchtitan composes FSDP and tensor parallel (notebook 12):
+    tensor_parallel_fully_shard on a (data, tensor) mesh. Takes each data rank's whole token sequence; every tensor
+    rank returns the same logits. Returns (model, mesh)."""
     from utils.transformer import build_transformer
 
     mesh = init_device_mesh("cpu", (data_parallel, tensor_parallel), mesh_dim_names=("data", "tensor"))
+    return tensor_parallel_fully_shard(build_transformer(sizes, seed, dtype), mesh["tensor"], mesh["data"]), mesh
+
+
+def transformer_stage(sizes, stage, num_stages, seed=0, dtype=torch.float64):
+    """Pipeline stage `stage` of the course's transformer: its layers (utils.pipeline.stage_layers), the embedding
+    on the first stage, the final norm and the LM head on the last; every forward at the whole sequence's positions
+    (a later stage receives hidden states, whose length under sequence parallel is this rank's chunk's)."""
+    from utils.pipeline import stage_layers
+    from utils.transformer import build_transformer
+
     model = build_transformer(sizes, seed, dtype)
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
-    for name in model.layers:
-        plan.update(sequence_parallel_plan(f"layers.{name}."))
-    parallelize_module(model, mesh["tensor"], plan)
-    model.output.register_forward_hook(lambda module, inputs, logits: logits.clone())  # FSDP2 warns of a view
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh["data"])
-    return fully_shard(model, mesh=mesh["data"]), mesh
+    keep = {str(i) for i in stage_layers(sizes.num_layers, num_stages)[stage]}
+    for name in [name for name in model.layers if name not in keep]:
+        del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < num_stages - 1:
+        model.norm = model.output = None
+    model.register_forward_pre_hook(lambda module, args, kwargs: (args, {"positions": torch.arange(sizes.seq_len)}),
+                                    with_kwargs=True)
+    return model
+
+
+def pipeline_fsdp_tensor_parallel_transformer(mesh_shape, num_micro_batches, sizes, seed=0, dtype=torch.float64):
+    """torchtitan's 3-D composition (notebook 12) on a (data, pipeline, tensor) mesh: this rank's transformer_stage,
+    tensor_parallel_fully_shard on mesh["tensor"] and mesh["data"], then PipelineStage on mesh["pipeline"]'s group
+    and Schedule1F1B over the micro-batches (each micro-batch's loss lm_loss, the gradients scaled by 1/m: the
+    batch's mean). What crosses from stage to stage is a plain tensor, this tensor rank's chunk of the sequence (the
+    blocks' plans take and return local tensors). Returns (model, schedule, mesh)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from utils.transformer import lm_loss
+
+    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("data", "pipeline", "tensor"))
+    stage, num_stages = mesh["pipeline"].get_local_rank(), mesh_shape[1]
+    model = tensor_parallel_fully_shard(transformer_stage(sizes, stage, num_stages, seed, dtype), mesh["tensor"],
+                                        mesh["data"])
+    pipeline_stage = PipelineStage(model, stage, num_stages, torch.device("cpu"), group=mesh["pipeline"].get_group())
+    return model, Schedule1F1B(pipeline_stage, num_micro_batches, loss_fn=lm_loss, scale_grads=True), mesh
+
+
+def causal_sdpa(q, k, v, positions):
+    """Attention as scaled_dot_product_attention computes it, causal (the call context_parallel replaces by its ring,
+    which masks by its own sharding of the sequence: `positions` unused)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def context_parallel_transformer(mesh_shape, sizes, seed=0, dtype=torch.float64):
+    """torchtitan's composition of context and tensor parallel on a (context, tensor) mesh: every block's attention
+    through scaled_dot_product_attention (causal_sdpa), then tensor_parallel_fully_shard on mesh["tensor"] and
+    mesh["context"] (FSDP over the context dimension: torchtitan shards over dp_shard x cp). Its forward and
+    backward run inside context_parallel(mesh["context"], buffers=[tokens, targets, positions]), which shards
+    them along the sequence and runs scaled_dot_product_attention as a ring. Returns (model, mesh)."""
+    from utils.context_parallel import use_attention
+    from utils.transformer import build_transformer
+
+    mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("context", "tensor"))
+    model = use_attention(build_transformer(sizes, seed, dtype), causal_sdpa)
+    return tensor_parallel_fully_shard(model, mesh["tensor"], mesh["context"]), mesh
 
 
 def pipeline_schedule(rank, world_size, schedule_name, hidden_dim, num_layers, num_micro_batches, seed=0,

@@ -4,7 +4,9 @@
     fsdp_tensor.py    section 2: FSDP x tensor (and sequence) parallel on a (data, tensor) mesh, the runs that train it
                       (ours, PyTorch's) and the loop the compositions share
     pipeline_3d.py    section 3: pipeline stages on a (data, pipeline, tensor) mesh, each stage section 2's composition
+                      (ours, and PyTorch's run: PipelineStage and Schedule1F1B)
     context.py        section 4: ring attention on a (context, tensor) mesh, composed with section 2's
+                      (ours, and PyTorch's context_parallel run, which fails on CPU)
     communication.py  every call recorded per group, and what the guards refuse before a call can hang the ranks
 """
 from utils.nd_parallel.communication import (
@@ -13,10 +15,19 @@ from utils.nd_parallel.communication import (
     calls_per_group,
     communication_by_group,
 )
-from utils.nd_parallel.context import MESH_CP, RunCP, check_sizes_cp, cp_tokens, formula_calls_cp, train_cp_main
+from utils.nd_parallel.context import (
+    MESH_CP,
+    RunCP,
+    check_sizes_cp,
+    cp_tokens,
+    formula_calls_cp,
+    train_cp_main,
+    train_pytorch_cp_main,
+)
 from utils.nd_parallel.fsdp_tensor import (
     FlatShards,
     Run2D,
+    agreement,
     check_sizes_2d,
     formula_memory_2d,
     full_weights,
@@ -26,6 +37,7 @@ from utils.nd_parallel.fsdp_tensor import (
     measure_2d,
     my_tokens,
     sharded_over_tensor,
+    step_time,
     tensor_sequence_parallel,
     tensor_shard,
     train_2d_main,
@@ -51,5 +63,6 @@ from utils.nd_parallel.pipeline_3d import (
     stage_forward,
     stage_names,
     train_3d_main,
+    train_pytorch_3d_main,
     unpaired_messages,
 )

@@ -2,16 +2,20 @@
 group inside every block, composed with section 2's FSDP x tensor (and sequence) parallel, the context group in the
 data group's place: its ranks hold the same weights (FSDP-sharded over it) and different chunks of every sequence."""
 import dataclasses
+import time
 
+import torch
 import torch.distributed as dist
 
+from utils import pytorch_reference
 from utils import sequence_parallel as sp
+from utils.model import make_optimizer
 from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake
 from utils.nd_parallel.fsdp_tensor import sharded_over_tensor, train_and_record
 from utils.nd_parallel.mesh import check_mesh, mesh_groups
 from utils.nd_parallel.pipeline_3d import stage_names
 from utils.sizes import divide
-from utils.transformer import build_transformer, make_tokens
+from utils.transformer import build_transformer, lm_loss, make_tokens
 
 MESH_CP = ("context", "tensor")
 
@@ -103,3 +107,33 @@ def formula_calls_cp(sizes, mesh):
         hops = layers * (3 * context_parallel - 2)
         calls.update({("context", "isend"): hops, ("context", "irecv"): hops})
     return calls
+
+
+def train_pytorch_cp_main(rank, world_size, sizes, mesh, num_steps, seed=0, lr=1e-2):
+    """PyTorch's composition (pytorch_reference.context_parallel_transformer) trained as train_cp_main trains ours,
+    each step's forward and backward inside context_parallel, which shards the tokens, the targets and the positions
+    along the sequence: (each step's loss (this rank's chunk's mean), the weights at the end (whole), each step's
+    seconds); or the error's text where PyTorch refuses (torch 2.13.0 on CPU: NotImplementedError, its ring has no
+    sharding strategy for the CPU attention kernel)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    model, device_mesh = pytorch_reference.context_parallel_transformer(mesh, sizes, seed)
+    optimizer = make_optimizer(model.parameters(), "adamw", lr)
+    losses, seconds = [], []
+    for step in range(num_steps):
+        inputs, targets = (x.clone() for x in make_tokens(sizes, seed, step))  # sharded in place by context_parallel
+        positions = torch.arange(sizes.seq_len)
+        start = time.perf_counter()
+        try:
+            with context_parallel(device_mesh["context"], buffers=[inputs, targets, positions],
+                                  buffer_seq_dims=[1, 1, 0]):
+                loss = lm_loss(model(inputs, positions), targets)
+                loss.backward()
+        except NotImplementedError as e:
+            return f"{type(e).__name__}: {e}"
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
+    return losses, weights, seconds

@@ -263,3 +263,25 @@ def full_weights(runs, shapes, data_parallel, tensor_parallel):
 def global_losses(runs, data_parallel):
     """The batch's loss at each step: the loss shares summed over every rank, divided by the data size."""
     return [sum(run.losses[step] for run in runs) / data_parallel for step in range(len(runs[0].losses))]
+
+
+def agreement(runs, want, want_losses, tolerance=1e-12):
+    """Lines: whether each run's losses and weights (`runs`: name: (weights by name, losses by step)) equal one
+    process's (`want`, `want_losses`) to `tolerance`, then whether the first two runs' weights equal each other."""
+    lines = []
+    for name, (weights, losses) in runs.items():
+        weight_diff = max((weights[k] - want[k]).abs().max().item() for k in want)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, want_losses))
+        lines.append(f"{name:>9}: losses and weights against one process: largest difference below {tolerance:g}: "
+                     f"{max(weight_diff, loss_diff) < tolerance}")
+    if len(runs) > 1:
+        (first, (ours, _)), (second, (theirs, _)) = list(runs.items())[:2]
+        between = max((ours[k] - theirs[k]).abs().max().item() for k in want)
+        lines.append(f"{first} against {second}: weights' largest difference below {tolerance:g}: "
+                     f"{between < tolerance}")
+    return "\n".join(lines)
+
+
+def step_time(seconds_by_rank):
+    """The slowest rank's median step time over the steps after the first (each rank's list of step seconds)."""
+    return max(sorted(seconds[1:])[len(seconds[1:]) // 2] for seconds in seconds_by_rank)

@@ -5,11 +5,14 @@ pipeline coordinate with the same data and tensor coordinates (rank -/+ T)."""
 import contextlib
 import dataclasses
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
+from utils import pytorch_reference
 from utils import sequence_parallel as sp
+from utils.model import make_optimizer
 from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, peer_of
 from utils.nd_parallel.fsdp_tensor import full_weights, my_tokens, sharded_over_tensor, train_and_record
 from utils.nd_parallel.mesh import MESH_3D, check_mesh, mesh_groups
@@ -192,3 +195,24 @@ def formula_calls_3d(sizes, mesh, num_micro_batches, stage):
     if pipeline_parallel > 1:
         calls.update({("pipeline", "isend"): m, ("pipeline", "recv"): m})
     return calls
+
+
+def train_pytorch_3d_main(rank, world_size, sizes, mesh, num_micro_batches, num_steps, seed=0, lr=1e-2):
+    """PyTorch's 3-D composition (pytorch_reference.pipeline_fsdp_tensor_parallel_transformer) trained as
+    train_3d_main trains ours: (each step's loss (the data rank's, on the last stage; None elsewhere), the stage's
+    weights at the end (whole), each step's seconds)."""
+    model, schedule, device_mesh = pytorch_reference.pipeline_fsdp_tensor_parallel_transformer(
+        mesh, num_micro_batches, sizes, seed)
+    data_rank, stage, _ = device_mesh.get_coordinate()
+    optimizer = make_optimizer(model.parameters(), "adamw", lr)
+    losses, seconds = [], []
+    for step in range(num_steps):
+        inputs, targets = (x.chunk(mesh[0])[data_rank] for x in make_tokens(sizes, seed, step))
+        start, micro_losses = time.perf_counter(), []
+        schedule.step(*([inputs] if stage == 0 else []), target=targets, losses=micro_losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+        losses.append(sum(loss.item() for loss in micro_losses) / num_micro_batches if micro_losses else None)
+    weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
+    return losses, weights, seconds
