@@ -48,7 +48,9 @@ def run_check(exercise, sol, world_size=3, **sizes):
 
 # ---------------------------------------------------------------- right answers
 
-@pytest.mark.parametrize("world_size", [2, 3])
+# 3 ranks under pytest -m slow (4 s): in the default run the FSDP check passes at 3 ranks (padded) in the notebook's
+# strict run and at 2 here, the reduce check at 4 (the notebook, and below) and at 2 here; the wrong answers run at 3
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_right_answers_pass(world_size, capsys):
     sol = solution(NOTEBOOK)
     for exercise in ("scaler", "step", "reduce", "fsdp", "recompute"):

@@ -40,7 +40,12 @@ def check(exercise, sol, world_size=2, timeout=20):
 
 # ---------------------------------------------------------------- the solution passes
 
-@pytest.mark.parametrize("world_size", [3, pytest.param(2, marks=pytest.mark.slow)])  # 4: the notebook's own run
+# Slow at 3 stages too (7 s): the default run makes the same checks in notebook 04's strict nbval run, at 4 and 2 stages
+# (6 layers: 2, 2, 1, 1 and 3, 3; the hand-offs at 3 and 4), and the wrong answers' tests below run them at 2 and 4
+# stages (5 layers). An odd stage count for the schedules (3, here) and the notebook at WORLD_SIZE=2 are left to
+# pytest -m slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [3, 2])  # 4: the notebook's own run
 def test_the_solution_passes_every_check(world_size, capsys):
     sol = solution(NOTEBOOK)
     for exercise in ("hand_offs", "forward_backward", "naive", "gpipe", "1f1b"):

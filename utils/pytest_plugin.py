@@ -13,11 +13,17 @@
   too), and they are a minute of the default run's six. `pytest -m slow` runs every solution, timing cells
   included, with spawn on 2 ranks and under torchrun; they also run when a notebook is executed, and in a
   student's `--nbval-lax` run of notebooks/.
+- So are the solutions' cells tagged `slow`: cells whose outputs are compared, but only by `pytest -m slow`'s strict
+  nbval run (spawn, `-m ''`: every cell), for the default run cannot pay for them (08's torchrun restart, 20 s: the
+  default run checks its latest_checkpoint, the slow run the restart, in that cell and in its own test). As for
+  timing cells, no other cell may use what they define.
 """
 import sys
 from pathlib import Path
 
 import pytest
+
+SLOW = "slow"  # a solution cell the default run skips (its output is compared under pytest -m slow)
 
 sys.modules.setdefault("rfc3987_syntax", None)  # None in sys.modules: `import rfc3987_syntax` raises ImportError
 
@@ -39,8 +45,9 @@ def pytest_collection_modifyitems(config, items):
     if config.option.markexpr != "not slow":
         return
     from utils.notebooks import TIMING
+    reasons = {TIMING: "a timing cell: it runs under pytest -m slow", SLOW: "a slow cell: it runs under pytest -m slow"}
     for item in items:
         cell = getattr(item, "cell", None)  # nbval's cells
-        if cell is not None and Path(str(item.fspath)).parent.name == "solutions" \
-                and TIMING in cell.metadata.get("tags", []):
-            item.add_marker(pytest.mark.skip(reason="a timing cell: it runs under pytest -m slow"))
+        if cell is not None and Path(str(item.fspath)).parent.name == "solutions":
+            for tag in set(reasons) & set(cell.metadata.get("tags", [])):
+                item.add_marker(pytest.mark.skip(reason=reasons[tag]))
