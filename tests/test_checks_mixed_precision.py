@@ -328,6 +328,23 @@ def test_the_scaler_skips_a_frozen_layer_and_finds_an_overflow_anywhere_as_grads
     assert torch.equal(weights[3][poisoned_layer], weights[2][poisoned_layer])  # the inf step was skipped
 
 
+def test_scaling_an_fp16_loss_in_fp16_gives_gradscalers_gradients_bit_for_bit():
+    """Why the loss scaled in fp16 is not in the catalogue: for every power-of-two scale, overflowing or not, the fp16
+    gradients equal those of the loss scaled in fp32 and of GradScaler.scale (whose (1,)-shaped fp32 scale promotes
+    the product to fp32), though loss * scale itself is inf in fp16 at the largest (and the gradient from 2**16)."""
+    model = build_mlp(8, 3, 0, torch.float16)
+    batch = make_batch(6, 8, 0, 0, torch.float16)
+    for scale in (1.0, 2.0**10, 2.0**15, 2.0**16, 2.0**20):  # 2**16: inf in fp16 (past 65504); 2**20: loss*scale too
+        grads = []
+        for scaled in (lambda loss: loss * scale, lambda loss: loss.float() * scale,
+                       torch.amp.GradScaler("cpu", init_scale=scale).scale):
+            model.zero_grad(set_to_none=True)
+            scaled(loss_fn(model(batch))).backward()
+            grads.append([p.grad.nan_to_num(nan=1.0, posinf=2.0, neginf=3.0) for p in model.parameters()])
+        assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other)), scale
+    assert torch.isinf(loss_fn(model(batch)) * scale)  # the fp16 product overflowed; its gradients did not differ
+
+
 def test_the_scaler_updates_as_gradscaler_over_a_long_run():
     """200 updates, an inf about one step in five, from 2**120 growing every 2 clean steps: the cap is met
     and left again; every scale equals GradScaler's."""
@@ -380,6 +397,11 @@ OTHER_ANSWERS = {  # (exercise, replace): right answers written another way
     "the loss scaler: a new gradient, not in place; finiteness tested before dividing": (
         "scaler", {DIVIDE + FINITE: FINITE.replace("p.grad", "p.grad") + "            p.grad = p.grad / self.scale\n"}),
     "the step: load_state_dict for the copy": ("step", {COPY: "    model.load_state_dict(master.state_dict())\n"}),
+    # the loss scaled in its own dtype (fp16), not in fp32 as the TODO says: the gradient that enters the fp16 graph
+    # is fp16(scale) either way (d(loss * s)/d loss = s, rounded to fp16 by the multiply's backward here, by the cast's
+    # there), so the gradients are the same bits; only the unused value loss * s can overflow. Not a mistake to catch.
+    "the step: the loss scaled in fp16": ("step", {"(loss.float() * (1.0 if scaler is None else scaler.scale))":
+                                                   "(loss * (1.0 if scaler is None else scaler.scale))"}),
     "the reduce: p.grad assigned a new fp32 tensor": ("reduce", {MEAN: "        p.grad = grad.float() / world_size\n"}),
     "FSDP: divided before the reduce-scatter, in fp32 (as FSDP2 does)": (
         "fsdp", {"    flat = fsdp.flat_padded(grad.to(reduce_dtype), world_size)\n":

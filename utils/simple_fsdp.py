@@ -40,11 +40,21 @@ from utils import pytorch_reference
 from utils.fsdp import ADAMW
 from utils.intercept import intercept
 from utils.memory import SettledMemoryTracker
-from utils.model import EACH_RANK_SAME_ROWS, build_awkward_model, build_mlp, local_batch, loss_fn, make_batch
+from utils.model import (
+    EACH_RANK_SAME_ROWS,
+    WEIGHTS,
+    Layer,
+    build_awkward_model,
+    build_mlp,
+    generator,
+    local_batch,
+    loss_fn,
+    make_batch,
+)
 from utils.sizes import check_int, divide
 
 MODES = ("fully_shard", "replicate")
-MODELS = ("mlp", "awkward")
+MODELS = ("mlp", "awkward")  # what data_parallel's check trains; resharding's trains the fused model too
 
 
 # ---------------------------------------------------------------- bad input, before any rank starts
@@ -235,9 +245,40 @@ def count(log, kind):
 
 # ---------------------------------------------------------------- the models and the single-process run
 
+class FusedModel(nn.Module):
+    """A layer, then a gated layer whose two weights are one parameter (as Llama's fused gate_up_proj): forward
+    splits it, so the product with its second half saves for backward a view at a storage offset (hidden_dim**2),
+    which resharding must rebuild at that offset. The first layer makes the input of the split products need a
+    gradient: without it autograd would save no weight."""
+
+    def __init__(self, hidden_dim):
+        super().__init__()
+        self.layer = Layer(hidden_dim)
+        self.gate_up = nn.Linear(hidden_dim, 2 * hidden_dim, bias=False)
+
+    def forward(self, x):
+        h = self.layer(x)
+        gate, up = self.gate_up.weight.chunk(2)
+        return F.silu(h @ gate.T) * (h @ up.T)
+
+
+def build_fused_model(hidden_dim, seed=0, dtype=torch.float64):
+    """A FusedModel whose weights depend only on `seed`, randn / sqrt(hidden_dim) as the MLP's."""
+    with torch.device("meta"):  # no default init: it would draw from (and advance) the global RNG
+        model = FusedModel(check_int("hidden_dim", hidden_dim))
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            draw = torch.randn(p.shape, generator=generator(seed, WEIGHTS, 2000 + i), dtype=torch.float64)
+            p.copy_(draw / hidden_dim**0.5)
+    return model
+
+
 def build_model(model, hidden_dim, num_layers, seed=0, dtype=torch.float64):
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if model not in (*MODELS, "fused"):
+        raise ValueError(f"model must be one of {(*MODELS, 'fused')}, got {model!r}")
+    if model == "fused":
+        return build_fused_model(hidden_dim, seed, dtype)
     return build_mlp(hidden_dim, num_layers, seed, dtype) if model == "mlp" else build_awkward_model(hidden_dim, seed,
                                                                                                     dtype)
 
@@ -261,12 +302,23 @@ def train_single(model, sizes, dtype=torch.float64):
     return {name: p.detach() for name, p in net.named_parameters()}, losses
 
 
-def first_gradients(model, sizes, rank=None, world_size=1):
-    """Step 0's {name: gradient}: of the whole batch, or of one rank's slice of it."""
+def first_gradients(model, sizes, rank=None, world_size=1, saving=contextlib.nullcontext):
+    """Step 0's {name: gradient}: of the whole batch, or of one rank's slice of it; the forward inside `saving()`."""
     net = build_model(model, sizes.hidden_dim, sizes.num_layers, sizes.seed)
     batch = make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)
-    loss_fn(net(batch if rank is None else local_batch(batch, rank, world_size))).backward()
+    with saving():
+        loss = loss_fn(net(batch if rank is None else local_batch(batch, rank, world_size)))
+    loss.backward()
     return {name: p.grad for name, p in net.named_parameters() if p.requires_grad}
+
+
+def storage_offset_dropped():
+    """Saved-tensor hooks that give backward each saved view of a parameter rebuilt without its storage offset
+    (as_strided(size, stride)): the mistake a check compares a wrong resharding run with, to name it."""
+    def pack(t):
+        return t.as_strided(t.size(), t.stride(), 0) if isinstance(t._base, nn.Parameter) else t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 # ---------------------------------------------------------------- memory, measured without gloo's lingering references
@@ -284,6 +336,7 @@ class Run:
     units_by_phase: dict  # {(step, phase): the most gathered buffers alive at once}
     peak: dict  # {group: bytes} at the highest total over the run (utils.memory.MemoryTracker)
     initial: dict = dataclasses.field(default_factory=dict)  # {parameter name: what this rank held before step 0}
+    storage: dict = dataclasses.field(default_factory=dict)  # {parameter name: bytes of the storage it keeps alive}
 
 
 def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None, dtype=torch.float64, track=True):
@@ -385,6 +438,7 @@ def units_main(rank, world_size, FlatUnit, unit, sizes, dtype=torch.float64):
     memory tracker: a Run whose `local` is {parameter name: this rank's flat shard}."""
     net = wrap_units(build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, dtype), FlatUnit, unit)
     initial = {name: p.detach().clone() for name, p in net.named_parameters()}
+    storage = {name: p.untyped_storage().nbytes() for name, p in net.named_parameters()}  # a view's: its base's
     optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
     now = {"step": 0, "phase": "forward"}
     tracker = SettledMemoryTracker(lambda: list(net.parameters()), optimizer, phase=lambda: (now["step"], now["phase"]))
@@ -404,7 +458,7 @@ def units_main(rank, world_size, FlatUnit, unit, sizes, dtype=torch.float64):
             losses.append(loss.item())
             calls.append(log)
     local = {name: p.detach().clone() for name, p in net.named_parameters()}
-    return Run(local, {}, losses, calls, tracker.units_by_phase, tracker.peak, initial)
+    return Run(local, {}, losses, calls, tracker.units_by_phase, tracker.peak, initial, storage)
 
 
 # ---------------------------------------------------------------- the compiler sees the collectives

@@ -40,6 +40,11 @@ UNEVEN = (" (uneven Shard(0) pieces: a collective needs equal pieces, so pad eac
 FEWER_PIECES = (" (torch.chunk gives fewer than N pieces when the rows do not fill N chunks of ceil(rows / N): 2 "
                 "rows on 3 ranks give 2 pieces, and rank 2 has none to index; a rank's Shard(0) rows are "
                 "simple_fsdp.local_shard's, empty where it holds none)")
+WRONG_VIEW = (" (on the fused model, right with the MLP and the awkward one: backward got a saved tensor of another "
+              "shape than the one autograd saved: a half of the fused weight (gate_up.weight.chunk(2)) is a view of "
+              "part of the gathered weight, at a storage offset for the second half; unpack_gathered must rebuild "
+              "that very view: as_strided(size, stride, storage_offset) of the weight gathered again)")
+MODEL_NAMES = {"mlp": "mlp", "awkward": "awkward", "fused": "fused model"}
 PACKED_NONE = (" (unpack_gathered got (None, ...): pack_gathered kept a source for a tensor that is not a gathered "
                "weight, for which simple_fsdp.gathered_from gives None: keep such a tensor as it is)")
 FLAT_UNIT_CRASHES = {
@@ -352,12 +357,14 @@ def _verify_weights(runs, model, mode, sizes, where):
                                      f"the single-process run's by {diff:.3g} (step 0's gradients were right)")
 
 
-def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False):
-    """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch."""
+def _runs(data_parallel, n, jobs, sizes, reshard=None, track=False, hints=None):
+    """{job: [its Run on each rank]} for jobs (model, mode, resharded), all in one launch; hints: as _spawn's, over
+    the usual ones."""
     by_rank = _spawn(simple_fsdp.runs_main, n, data_parallel, jobs, sizes, reshard, track,
                      what="data_parallel" + (" with reshard_after_forward" if reshard else ""),
                      hints={"invalid tensor size": UNEVEN, "* worldSize ==": UNEVEN, "invalid gradient": UNEVEN,
-                            **({"cannot unpack non-iterable NoneType": PACKED_NONE} if reshard else {})})
+                            **({"cannot unpack non-iterable NoneType": PACKED_NONE} if reshard else {}),
+                            **(hints or {})})
     return {job: [runs[j] for runs in by_rank] for j, job in enumerate(jobs)}
 
 
@@ -391,48 +398,71 @@ def check_data_parallel(data_parallel, world_size, hidden_dim, num_layers, batch
 
 # ---------------------------------------------------------------- section 3: resharding after forward
 
+def _verify_resharded(runs, model, sizes):
+    """One model's runs with reshard_after_forward: at most one gathered unit alive and every weight gathered again
+    in backward (the MLP), step 0's gradients and the weights after the steps (all)."""
+    where = f"reshard_after_forward on {len(runs)} ranks, the {MODEL_NAMES[model]} (hidden {sizes.hidden_dim})"
+    if model == "mlp":
+        for rank, run in enumerate(runs):
+            for (step, phase), alive in run.units_by_phase.items():
+                if phase in ("forward", "backward") and alive > 1:
+                    raise AssertionError(f"{where}: on rank {rank}, up to {alive} gathered units were alive at once "
+                                         f"in step {step}'s {phase}: a gathered weight is still kept for backward; "
+                                         f"pack it as its shard, gather it again when unpacked")
+        # every weight again in backward, but the first layer's: its input needs no gradient, so x @ W.T saves no W
+        _verify_calls(runs, model, "fully_shard", where, regathered=sizes.num_layers - 1)
+    try:
+        _verify_gradients(runs, model, "fully_shard", sizes, where)
+        _verify_weights(runs, model, "fully_shard", sizes, where)
+    except AssertionError as e:
+        if model == "fused" and _offset_dropped(runs, sizes):
+            raise AssertionError(f"{where}: the first layer's gradient is the one backward gets when the saved view of "
+                                 f"gate_up's second half (up.T, at storage offset {sizes.hidden_dim**2}) is rebuilt "
+                                 f"at offset 0, from its first half: unpack_gathered left out the storage offset; "
+                                 f"rebuild the view with as_strided(size, stride, storage_offset)") from None
+        raise AssertionError(f"{e}. Without reshard_after_forward it is right: look at unpack_gathered, which must "
+                             f"return the very view autograd saved (its size, stride and storage offset: as_strided), "
+                             f"of the weight gathered again") from None
+
+
+def _offset_dropped(runs, sizes):
+    """Whether each rank's step 0 gradients are those of views of the weights rebuilt without their storage offset."""
+    whole = simple_fsdp.first_gradients("fused", sizes, saving=simple_fsdp.storage_offset_dropped)
+    return all(name in run.first_grads and max_abs_diff(run.first_grads[name],
+                                                        simple_fsdp.local_shard(grad, rank, len(runs))) <= TOLERANCE
+               for rank, run in enumerate(runs) for name, grad in whole.items())
+
+
 def check_reshard(data_parallel, reshard_after_forward, world_size, hidden_dim, num_layers, batch_size, num_steps,
                   seed=0):
     """The same training with every forward inside reshard_after_forward(): the same weights; 1 gathered unit
     alive at most in forward, 2 all-gathers per parameter per step; without it, every unit alive at the end of
-    forward. Returns {"kept": units, "resharded": units} on the notebook's sizes."""
+    forward. Then a fused weight split in two: the view of its second half starts at a storage offset. Returns
+    {"kept": units, "resharded": units} on the notebook's sizes."""
     sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     units = {}
     jobs = [("mlp", "fully_shard", True), ("awkward", "fully_shard", True), ("mlp", "fully_shard", False)]
+    fused = ("fused", "fully_shard", True)  # launched once the others pass: it needs more of unpack_gathered
     for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
         all_runs = _runs(data_parallel, n, jobs if k == 0 else jobs[:2], run_sizes, reshard_after_forward, track=True)
         if k == 0:
             kept = all_runs.pop(jobs[2])[0]
+            units["resharded"] = {phase: max(v for (s, p), v in all_runs[jobs[0]][0].units_by_phase.items()
+                                             if p == phase) for phase in ("forward", "backward")}
         for (model, _, _), runs in all_runs.items():
-            where = f"reshard_after_forward on {n} ranks, the {model} (hidden {run_sizes.hidden_dim})"
-            if model == "mlp":
-                for rank, run in enumerate(runs):
-                    for (step, phase), alive in run.units_by_phase.items():
-                        if phase in ("forward", "backward") and alive > 1:
-                            raise AssertionError(f"{where}: on rank {rank}, up to {alive} gathered units were alive "
-                                                 f"at once in step {step}'s {phase}: a gathered weight is still kept "
-                                                 f"for backward; pack it as its shard, gather it again when unpacked")
-                # every weight again in backward, but the first layer's: its input needs no gradient, so x @ W.T
-                # saves no W for it
-                _verify_calls(runs, model, "fully_shard", where, regathered=run_sizes.num_layers - 1)
-            try:
-                _verify_gradients(runs, model, "fully_shard", run_sizes, where)
-                _verify_weights(runs, model, "fully_shard", run_sizes, where)
-            except AssertionError as e:
-                raise AssertionError(f"{e}. Without reshard_after_forward it is right: look at unpack_gathered, which "
-                                     f"must return the very view autograd saved (its size, stride and storage "
-                                     f"offset: as_strided), of the weight gathered again") from None
-            if k == 0 and model == "mlp":
-                units["resharded"] = {phase: max(v for (s, p), v in runs[0].units_by_phase.items() if p == phase)
-                                      for phase in ("forward", "backward")}
+            _verify_resharded(runs, model, run_sizes)
+        runs = _runs(data_parallel, n, [fused], run_sizes, reshard_after_forward,
+                     hints={"invalid gradient": WRONG_VIEW, "shapes cannot be multiplied": WRONG_VIEW})
+        _verify_resharded(runs[fused], "fused", run_sizes)
     units["kept"] = {phase: max(v for (s, p), v in kept.units_by_phase.items() if p == phase)
                      for phase in ("forward", "backward")}
     print(f"reshard_after_forward: correct on {world_size} and {configurations(world_size, sizes)[1][0]} ranks, the "
-          f"MLP and the awkward model, weights equal to the single-process run's; per step on the MLP "
-          f"{2 * num_layers - 1} all-gathers (each layer's weight in forward, and again in backward but the first "
-          f"layer's, which backward does not need) and {num_layers} reduce-scatters; gathered units alive at most "
-          f"(forward, backward): kept for backward {units['kept']['forward']}, {units['kept']['backward']}; "
-          f"resharded {units['resharded']['forward']}, {units['resharded']['backward']}")
+          f"MLP, the awkward model and a fused weight split in two (a view at a storage offset), weights equal to the "
+          f"single-process run's; per step on the MLP {2 * num_layers - 1} all-gathers (each layer's weight in "
+          f"forward, and again in backward but the first layer's, which backward does not need) and {num_layers} "
+          f"reduce-scatters; gathered units alive at most (forward, backward): kept for backward "
+          f"{units['kept']['forward']}, {units['kept']['backward']}; resharded {units['resharded']['forward']}, "
+          f"{units['resharded']['backward']}")
     return units
 
 
@@ -455,6 +485,13 @@ def _verify_units(runs, unit, sizes, where):
                                  f"{units} flat shard(s) of shape {want[0]}, and nothing else (remove the module's "
                                  f"own parameters once they are in the flat shard: delattr)")
         _verify_initial_shards(run, rank, n, initial, per_unit, where)
+        for name, kept in run.storage.items():
+            own = run.initial[name].numel() * run.initial[name].element_size()
+            if kept > own:
+                raise AssertionError(f"{where}: rank {rank}'s {name!r} is a view of the whole flat buffer: its storage "
+                                     f"holds {kept} bytes for its own {own}, so every rank keeps the whole unit in "
+                                     f"memory (and the optimizer's in-place steps write into that buffer): keep a "
+                                     f"copy of this rank's rows (.clone())")
         for step, log in enumerate(run.calls):
             gathers = [c for c in log if c.kind == "all-gather"]
             scatters = [c for c in log if c.kind == "reduce-scatter"]
