@@ -102,6 +102,20 @@ def test_bad_input_and_unstarted_copies_are_rows_not_crashes(tmp_path, monkeypat
     assert only(rows["trent"])[0] == "error" and "not a notebook" in only(rows["trent"])[1]
 
 
+def test_a_flat_folder_of_submissions_is_graded_student_by_student(tmp_path, capsys):
+    """Several submissions of one notebook in one folder (an LMS download): each its own student, by file name; a
+    folder holding one student's different notebooks keeps the folder's name."""
+    flat, alice = tmp_path / "submitted", tmp_path / "submitted" / "alice"
+    alice.mkdir(parents=True)
+    for name in ("bob.ipynb", "carol.ipynb"):
+        (flat / name).write_text(handed_in("00_setup"))
+    (alice / "00_setup.ipynb").write_text(handed_in("00_setup"))
+    (alice / "01_collectives.ipynb").write_text(handed_in("01_collectives"))
+    students = sorted(student for student, _ in grade.told_apart(grade.collect([flat])))
+    assert students == ["alice", "alice", "submitted/bob", "submitted/carol"]
+    assert "2 submissions of 00_setup in folder 'submitted'" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # 17 s of kernels: the default run keeps the grader's refusals and unstarted copies
 def test_answers_are_graded_by_the_instructors_checks(tmp_path, monkeypatch):
     """Right, wrong with the check's own hint, a renamed file, a check redefined by the answer, a check cell

@@ -4,7 +4,9 @@
     python -m utils.grade submitted/*/05_fsdp.ipynb --out grades.csv --params "WORLD_SIZE = 3" --gradescope gs/
 
 A submission is a student's copy of a course notebook with the exercises filled in; its student is the folder it
-sits in (submitted/alice/05_fsdp.ipynb), which notebook it is comes from its cells (utils.submission). Folders
+sits in (submitted/alice/05_fsdp.ipynb), or "folder/file name" when a folder holds several submissions of one
+notebook (a flat download: submitted/alice.ipynb, submitted/bob.ipynb); which notebook it is comes from its cells
+(utils.submission). Folders
 are searched for .ipynb files. Only the answers come from the submission: they are put in the solution notebook's
 regions and that notebook runs, its check cells and the library as the instructor has them (utils.sandbox: a
 kernel of its own in a temporary folder, a time and a memory limit, no process left behind).
@@ -44,6 +46,25 @@ def collect(paths):
             if path.is_dir() else [path]
         found += [(f.resolve().parent.name, f) for f in files]
     return found
+
+
+def told_apart(found):
+    """`found` with a folder's several submissions of one notebook told apart (a flat download, every student's
+    file in one folder): each one's student is "folder/file name" instead of the folder, and a note says so."""
+    def assignment(path):
+        nb = read_notebook(path)
+        a = None if isinstance(nb, str) else submission.identify(nb)
+        return a.name if a else Path(path).name
+
+    which = [(student, assignment(path)) for student, path in found]
+    count = collections.Counter(which)
+    apart = [(f"{student}/{Path(path).stem}", path) if count[key] > 1 else (student, path)
+             for (student, path), key in zip(found, which)]
+    for (student, name), n in count.items():
+        if n > 1:
+            print(f"{n} submissions of {name} in folder {student!r}: each graded as the student "
+                  f"'{student}/<file name>' (one folder per student names them by folder)", file=sys.stderr)
+    return apart
 
 
 def read_notebook(path):
@@ -229,7 +250,7 @@ def main(argv=None):
         except SyntaxError as e:
             parser.error(f"--params {p!r} is not Python: {e.msg}")
     try:
-        todo = shard(collect(args.submissions), args.shard)
+        todo = shard(told_apart(collect(args.submissions)), args.shard)
     except ValueError as e:
         parser.error(str(e))
 
