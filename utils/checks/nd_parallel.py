@@ -193,6 +193,16 @@ def _group_problem(run, mesh):
     return None
 
 
+def _check_trained(got, got_losses, weights, losses, mesh, question=""):
+    """After the run's steps, whose first step's gradients were right: its weights and losses against one process's
+    (1e-12), an AssertionError saying which differ (and `question`) if they do not."""
+    wrong = [name for name, w in weights.items() if not close(got[name], w)]
+    if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
+        raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {len(losses)} steps "
+                             f"the losses {[round(x, 6) for x in got_losses]} (one process: "
+                             f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ{question}")
+
+
 def _first_wrong_shard(runs, mesh, dims, grads, who, mistakes, names=None, plane=tuple):
     """The first step's first gradient shard, rank by rank, that differs from one process's, in words (with the hint
     of the first of `mistakes(run, name, want)`, (value, hint) pairs, that the shard confirms), or None. dims: the
@@ -294,14 +304,9 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
         if problem:
             raise AssertionError(problem)
         passed.append(mesh)
-        got = nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh)
-        wrong = [name for name, w in weights.items() if not close(got[name], w)]
-        got_losses = nd.global_losses(runs, mesh[0])
-        if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
-            raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
-                                 f"the losses {[round(x, 6) for x in got_losses]} (one process: "
-                                 f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ: is every "
-                                 f"step's gradient synchronised the same way?")
+        _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
+                       nd.global_losses(runs, mesh[0]), weights, losses, mesh,
+                       ": is every step's gradient synchronised the same way?")
     shapes = ", ".join(f"{d} x {t}" for d, t in mesh_shapes)
     print(f"FSDP x tensor (and sequence) parallel on {n} ranks, meshes (data x tensor) {shapes}: tensor-parallel "
           f"collectives on the tensor group, FSDP's on the data group; every gradient shard of the first step, "
@@ -413,14 +418,8 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
                              last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches)
     if problem:
         raise AssertionError(problem)
-    got = nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh)
-    wrong = [name for name, w in weights.items() if not close(got[name], w)]
-    got_losses = nd.global_losses(runs, mesh[0])
-    if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
-        raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
-                             f"the losses {[round(x, 6) for x in got_losses]} (one process: "
-                             f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ: is every step "
-                             f"the same?")
+    _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
+                   nd.global_losses(runs, mesh[0]), weights, losses, mesh, ": is every step the same?")
     print(f"3-D on {n} ranks, mesh (data, pipeline, tensor) = {mesh}, 1F1B over {num_micro_batches} micro-batches: "
           f"every send/recv to a pipeline neighbour, every collective on its group and counted as the formulas "
           f"say; every gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps "
@@ -500,13 +499,8 @@ def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZE
         _cp_problem(runs, mesh, sizes, reference_gradients(sizes, seed))
     if problem:
         raise AssertionError(problem)
-    got = nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh)
-    wrong = [name for name, w in weights.items() if not close(got[name], w)]
-    got_losses = nd.global_losses(runs, mesh[0])
-    if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
-        raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {num_steps} steps "
-                             f"the losses {[round(x, 6) for x in got_losses]} (one process: "
-                             f"{[round(x, 6) for x in losses]}) or the weights {wrong[:3]} differ")
+    _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
+                   nd.global_losses(runs, mesh[0]), weights, losses, mesh)
     print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}, {sizes.seq_len} tokens: the "
           f"ring on the context group, every call counted as the formulas say, RoPE at global positions; every "
           f"gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps equal one "
