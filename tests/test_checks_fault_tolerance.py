@@ -184,7 +184,9 @@ SAMPLER = [
     ({"generator.manual_seed(self.seed + self.epoch)": "generator.manual_seed(self.seed)"},
      "the order of epoch 0 again"),
     ({"torch.randperm(self.dataset_size, generator=generator)": "torch.randperm(self.dataset_size)"},
-     "from a torch.Generator seeded with seed \\+ epoch"),
+     "from a torch.Generator seeded with seed \\+ epoch"),  # on a few rows, by chance in order: not "not shuffled"
+    ({"torch.randperm(self.dataset_size, generator=generator).tolist()": "list(range(self.dataset_size))"},
+     "not shuffled: draw a permutation"),
     ({"            self.num_samples = dataset_size // num_replicas\n":
       "            self.num_samples = math.ceil(dataset_size / num_replicas)\n"},
      "with drop_last, each rank gets dataset_size // num_replicas"),

@@ -63,6 +63,13 @@ def _repeats_epoch_0(Sampler, kwargs, dataset_size=13):
                for epoch in (1, 2))
 
 
+def _never_shuffles(Sampler, kwargs, dataset_size=13):
+    """Whether the sampler keeps the rows in order in every epoch, on a dataset where a coincidence is unlikely (a
+    permutation of a few rows drawn from the global RNG can be the identity by chance)."""
+    return all(list(_build(Sampler, dataset_size, 1, 0, epoch, **kwargs)) == list(range(dataset_size))
+               for epoch in (1, 2))
+
+
 def _sampler_hint(Sampler, got, want, dataset_size, n, rank, epoch, kwargs):
     """Why a rank's indices differ from DistributedSampler's: the usual mistakes, in words."""
     if len(got) != len(want):
@@ -77,7 +84,8 @@ def _sampler_hint(Sampler, got, want, dataset_size, n, rank, epoch, kwargs):
     if (kwargs["shuffle"] and epoch > 0 and got == _pytorch(dataset_size, n, rank, 0, **kwargs)
             and _repeats_epoch_0(Sampler, kwargs)):
         return "the order of epoch 0 again: seed the permutation from seed + epoch, so that each epoch reshuffles"
-    if kwargs["shuffle"] and got == _pytorch(dataset_size, n, rank, epoch, **{**kwargs, "shuffle": False}):
+    if (kwargs["shuffle"] and got == _pytorch(dataset_size, n, rank, epoch, **{**kwargs, "shuffle": False})
+            and _never_shuffles(Sampler, kwargs)):
         return "not shuffled: draw a permutation with torch.randperm"
     if sorted(got) == sorted(want):
         return "the right indices in another order: the permutation must come from a torch.Generator seeded with "\
