@@ -51,12 +51,11 @@ def collect(paths):
 def told_apart(found):
     """`found` with a folder's several submissions of one notebook told apart (a flat download, every student's
     file in one folder): each one's student is "folder/file name" instead of the folder, and a note says so."""
-    def assignment(path):
-        nb = read_notebook(path)
-        a = None if isinstance(nb, str) else submission.identify(nb)
+    def name(path):
+        a = assignment_of(path)
         return a.name if a else Path(path).name
 
-    which = [(student, assignment(path)) for student, path in found]
+    which = [(student, name(path)) for student, path in found]
     count = collections.Counter(which)
     apart = [(f"{student}/{Path(path).stem}", path) if count[key] > 1 else (student, path)
              for (student, path), key in zip(found, which)]
@@ -65,6 +64,12 @@ def told_apart(found):
             print(f"{n} submissions of {name} in folder {student!r}: each graded as the student "
                   f"'{student}/<file name>' (one folder per student names them by folder)", file=sys.stderr)
     return apart
+
+
+def assignment_of(path):
+    """The course assignment the notebook at path is a copy of, or None (not a notebook, or of no assignment)."""
+    nb = read_notebook(path)
+    return None if isinstance(nb, str) else submission.identify(nb)
 
 
 def read_notebook(path):
@@ -257,16 +262,14 @@ def main(argv=None):
     timeouts = {}
     if args.timeout is None:  # the solution of each notebook graded, once, for its time limit
         for _, path in todo:
-            nb = read_notebook(path)
-            a = None if isinstance(nb, str) else submission.identify(nb)
+            a = assignment_of(path)
             if a and a.name not in timeouts:
                 print(f"timing the solution of {a.name}...", file=sys.stderr)
                 timeouts[a.name] = max(TIMEOUT_FLOOR, TIMEOUT_FACTOR * solution_seconds(a))
 
     def one(item):
         student, path = item
-        nb = read_notebook(path)
-        a = None if isinstance(nb, str) else submission.identify(nb)
+        a = assignment_of(path)
         seconds = args.timeout or timeouts.get(a.name if a else None, TIMEOUT_FLOOR)
         try:
             return grade(student, path, args.params, seconds, int(args.memory * 2**30))
