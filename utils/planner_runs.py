@@ -1,0 +1,564 @@
+"""The published runs the planner (utils/planner.py) is validated against: one record per run, as its source printed it.
+
+    record (model shape, cluster, layout, what was reported, with its source)
+        -> the reported number as the planner's quantity (seconds per step), with the source's own FLOP formula
+        -> validate(RUNS): the planner at the published layout, predicted against reported, and the rank of that
+           layout among the planner's search
+
+A number the source does not print is None in the record, never a guess: the layout knobs left None (micro-batch
+size, recomputation, ZeRO stage, interleaving) are chosen by validate() at the planner's best for the published
+split, and each record says in `assumptions` what it took from elsewhere. Conversions are checked against the
+numbers the sources print next to them (tests/test_planner_runs.py).
+"""
+import dataclasses
+import math
+
+from utils import planner as pl
+
+GIB = 2**30
+
+# ---------------------------------------------------------------- GPUs and networks, each number with its source
+
+# dense bf16 peak FLOP/s; memory; NVLink per GPU per direction (NVIDIA's data sheets give both directions: half)
+GPUS = {
+    "A100-40GB": {"peak_flops": 312e12, "memory_bytes": 40 * GIB, "nvlink": 300e9},
+    "A100-80GB": {"peak_flops": 312e12, "memory_bytes": 80 * GIB, "nvlink": 300e9},
+    "H100-80GB": {"peak_flops": 989e12, "memory_bytes": 80 * GIB, "nvlink": 450e9},
+    # torchtitan's Grand Teton H100s: 96 GB HBM2e, 500 W; its docs take the SXM peak (989) for MFU
+    "H100-96GB": {"peak_flops": 989e12, "memory_bytes": 96 * GIB, "nvlink": 450e9},
+    "H800-80GB": {"peak_flops": 989e12, "memory_bytes": 80 * GIB, "nvlink": 200e9},  # NVLink cut to 400 GB/s
+}
+ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message: assumed, as in tests/test_planner.py
+
+
+# ---------------------------------------------------------------- a record
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The model. mlp: 'gelu' (two matrices, Megatron's GPT), 'relu2' (two, squared ReLU: Nemotron-4) or 'swiglu'
+    (three: Llama). tied: the output layer shares tok_embeddings' weight."""
+
+    num_layers: int
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    vocab_size: int
+    seq_len: int
+    num_kv_heads: int = 0  # 0: as many as num_heads
+    mlp: str = "gelu"
+    tied: bool = False
+    num_experts: int = 1
+    top_k: int = 1
+    name: str = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the run was split. None: not stated by the source (validate() takes the planner's best)."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    global_batch: int = 1  # sequences per step
+    micro_batch_size: int | None = None
+    recompute: str | None = None  # 'none', 'selective' or 'full'
+    zero_stage: int | None = None  # 0 plain data parallel; 1 distributed optimizer; 2; 3 FSDP (reshard after forward)
+    virtual_stages: int | None = 1  # pieces per pipeline rank: > 1 is interleaved 1F1B
+    stage_layers: tuple | None = None  # layers of each pipeline stage, where the source gives an uneven split
+    float8: bool = False  # matrix products in float8 (torchtitan's Float8, DeepSeek-V3's FP8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    name: str
+    source: str  # paper, table, row; or the repository, file and commit
+    shape: Shape
+    gpu: str  # a key of GPUS
+    num_devices: int
+    inter_gbps: float  # the network between nodes, Gb/s per GPU (NICs per node x their rate / GPUs per node)
+    layout: Layout
+    reported: float | None  # the throughput in the source's unit; None: no throughput published
+    unit: str = "tflops_per_gpu"  # or 'step_seconds', 'tokens_per_s_per_gpu', 'gpu_hours_per_1e12_tokens'
+    flops: str = "none"  # the source's FLOP formula, a key of FLOP_FORMULAS ('none': the unit needs none)
+    memory_bytes: float | None = None  # per GPU, where published (the largest over ranks)
+    oom: bool = False  # the source reports this layout out of memory
+    devices_per_node: int = 8
+    unmodelled: str = ""  # what of the run the record's shape cannot say (the row is then not compared)
+    assumptions: tuple = ()  # what the record took from elsewhere than its source, one sentence each
+
+
+UNITS = ("tflops_per_gpu", "step_seconds", "tokens_per_s_per_gpu", "gpu_hours_per_1e12_tokens")
+
+
+# ---------------------------------------------------------------- the sources' FLOP formulas, per step (whole batch)
+
+def narayanan_flops(shape, batch):
+    """Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) per iteration, which counts the forward
+    recomputed in backward (4 passes of 24 B s h^2 each): GPT with a 4h GELU MLP and tied embeddings."""
+    s, l, h, v = shape.seq_len, shape.num_layers, shape.dim, shape.vocab_size
+    return 96 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def megatron_model_flops(shape, batch):
+    """Megatron-LM's num_floating_point_operations (megatron/training/training.py, 2024): model FLOPs, no
+    recomputation: 12 B s L h^2 [(1 + g/a + s/h) + f/h k (3/2 if gated) + V/(2Lh)] (query projection = h).
+    For GPT (g = a, f = 4h) it is 72 B s l h^2 (1 + s/6h + V/12lh): Korthikanti et al. 2022's model FLOPs."""
+    s, l, h, v = shape.seq_len, shape.num_layers, shape.dim, shape.vocab_size
+    groups = (shape.num_kv_heads or shape.num_heads) / shape.num_heads
+    gated = 3 / 2 if shape.mlp == "swiglu" else 1
+    per_layer = (1 + groups + s / h) + shape.ffn_dim / h * shape.top_k * gated + v / (2 * l * h)
+    return 12 * batch * s * l * h**2 * per_layer
+
+
+def six_p_flops(shape, batch):
+    """torchtitan's get_num_flop_per_token (torchtitan/utils.py, 2024-12): 6 P + 12 l h s per token, P every
+    parameter but tok_embeddings, attention's two products over the whole sequence (no causal halving)."""
+    params = planner_model(shape).num_params - shape.vocab_size * shape.dim
+    return batch * shape.seq_len * (6 * params + 12 * shape.num_layers * shape.dim * shape.seq_len)
+
+
+def bloom_hardware_flops(shape, batch):
+    """BigScience's TFLOPs (bigscience/math/README.md, 'Calculate TFLOPs'): 4 x 2 x P per token, P the model size,
+    recomputation counted ('hardware FLOPs'), attention's products left out."""
+    return 8 * planner_model(shape).num_params * shape.seq_len * batch
+
+
+FLOP_FORMULAS = {"narayanan2021": narayanan_flops, "megatron_model": megatron_model_flops, "6p": six_p_flops,
+                 "bloom_hfu": bloom_hardware_flops}
+
+
+def step_flops(run):
+    return FLOP_FORMULAS[run.flops](run.shape, run.layout.global_batch)
+
+
+def reported_step_seconds(run):
+    """The reported throughput as seconds per step: with the source's own FLOP formula for TFLOP/s per GPU."""
+    if run.reported is None:
+        return None
+    n, tokens = run.num_devices, run.layout.global_batch * run.shape.seq_len
+    if run.unit == "step_seconds":
+        return run.reported
+    if run.unit == "tflops_per_gpu":
+        return step_flops(run) / (n * run.reported * 1e12)
+    if run.unit == "tokens_per_s_per_gpu":
+        return tokens / (n * run.reported)
+    if run.unit == "gpu_hours_per_1e12_tokens":
+        return tokens * run.reported * 3600 / (1e12 * n)
+    raise ValueError(f"unit must be one of {UNITS}, got {run.unit!r}")
+
+
+def tflops_per_gpu(run, step_seconds):
+    """Per-GPU TFLOP/s of a step of `step_seconds`, counted with the run's FLOP formula."""
+    return step_flops(run) / (run.num_devices * step_seconds) / 1e12
+
+
+# ---------------------------------------------------------------- the record as the planner's arguments
+
+def _known(cls, **values):
+    """An instance of the planner's dataclass `cls` from the values it has fields for, and the names of the values
+    it has none for, where they are not their default (what the record says that this planner cannot take)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}), [k for k in values if k not in names]
+
+
+MLP_MATRICES = {"gelu": 2, "relu2": 2, "swiglu": 3}
+
+
+def planner_model(shape, with_missing=False):
+    model, missing = _known(pl.Model, num_layers=shape.num_layers, dim=shape.dim, num_heads=shape.num_heads,
+                            ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
+                            num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
+                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name,
+                            **({"tied": True} if shape.tied else {}))
+    return (model, missing) if with_missing else model
+
+
+def planner_cluster(run, with_missing=False):
+    gpu = GPUS[run.gpu]
+    cluster, missing = _known(pl.Cluster, num_devices=run.num_devices, devices_per_node=run.devices_per_node,
+                              memory_bytes=gpu["memory_bytes"], intra=pl.Link(ALPHA_INTRA, gpu["nvlink"]),
+                              inter=pl.Link(ALPHA_INTER, run.inter_gbps * 1e9 / 8), peak_flops=gpu["peak_flops"],
+                              **({"gpu": run.gpu} if "gpu" in {f.name for f in dataclasses.fields(pl.Cluster)}
+                                 else {}))
+    return (cluster, missing) if with_missing else cluster
+
+
+def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stages, with_missing=False):
+    extra = {}
+    if virtual_stages and virtual_stages > 1:
+        extra["virtual_stages"] = virtual_stages
+    if layout.stage_layers:
+        extra["stage_layers"] = layout.stage_layers
+    if layout.float8:
+        extra["float8"] = True
+    config, missing = _known(pl.Config, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                             micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage, **extra)
+    return (config, missing) if with_missing else config
+
+
+def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE, zero_stages=(0, 1, 2, 3)):
+    """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated."""
+    def stated(value, choices):
+        return (value,) if value is not None else tuple(choices)
+    return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
+            for r in stated(layout.recompute, recomputes) for z in stated(layout.zero_stage, zero_stages)
+            for v in stated(layout.virtual_stages, (1, 2))]
+
+
+def estimate_published(run):
+    """The planner's row for the published layout, its unstated knobs at the planner's best (fastest that fits, or
+    the smallest memory if none fits), and what the record holds that the planner cannot take."""
+    model, lacks = planner_model(run.shape, with_missing=True)
+    cluster, lacks_cluster = planner_cluster(run, with_missing=True)
+    rows, lacks_config = [], set()
+    for mbs, recompute, zero, v in knob_choices(run.layout):
+        config, missing = planner_config(run.layout, mbs, recompute, zero, v, with_missing=True)
+        lacks_config |= set(missing)
+        try:
+            rows.append(pl.estimate(model, cluster, run.layout.global_batch, config))
+        except ValueError as error:
+            last_error = str(error)
+    if not rows:
+        raise ValueError(last_error)
+    fitting = [r for r in rows if r["fits"]]
+    best = min(fitting, key=lambda r: r["step_s"]) if fitting else min(rows, key=lambda r: r["memory_gb"])
+    return best, sorted(set(lacks) | set(lacks_cluster) | lacks_config)
+
+
+LAYOUT_AXES = ("dp", "tp", "pp", "cp", "ep")
+
+
+def layout_rank(run, **choices):
+    """(rank, gap): where the published split (dp, tp, pp, cp, ep) stands among the planner's fitting splits, each
+    at its best knobs (1: the planner's first choice), and its best step over the planner's best; (None, None) if the
+    planner lists no fitting configuration of that split."""
+    rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch, **choices)
+    best = {}
+    for row in rows:  # fastest first: the first row of a split is its best
+        best.setdefault(tuple(row[a] for a in LAYOUT_AXES), row["step_s"])
+    published = best.get(tuple(getattr(run.layout, a) for a in LAYOUT_AXES))
+    if published is None:
+        return None, None
+    return 1 + sum(step < published for step in best.values()), published / min(best.values())
+
+
+# ---------------------------------------------------------------- validation
+
+def validate(runs, search=True):
+    """A row per run: reported and predicted step seconds and memory, the ratio of predicted to reported throughput,
+    whether the planner fits it (and whether the source says it ran out of memory), the published split's rank and
+    gap in the planner's search (search=False skips the search: seconds for the whole table), and what the record
+    holds that the planner lacks. A run the planner refuses carries the planner's message in 'error'."""
+    rows = []
+    for run in runs:
+        row = {"name": run.name, "reported_s": reported_step_seconds(run), "predicted_s": None, "ratio": None,
+               "reported_gb": run.memory_bytes / 1e9 if run.memory_bytes else None, "predicted_gb": None,
+               "fits": None, "oom": run.oom, "rank": None, "gap": None, "lacks": [], "error": run.unmodelled}
+        if not run.unmodelled:
+            try:
+                estimate, row["lacks"] = estimate_published(run)
+            except ValueError as error:
+                row["error"] = str(error)
+            else:
+                row |= {"predicted_s": estimate["step_s"], "predicted_gb": estimate["memory_gb"],
+                        "fits": estimate["fits"], "micro_batch_size": estimate["micro_batch_size"],
+                        "recompute": estimate["recompute"], "zero_stage": estimate["zero_stage"]}
+                if row["reported_s"] is not None:
+                    row["ratio"] = row["reported_s"] / row["predicted_s"]  # predicted throughput / reported
+                if search and not run.oom:
+                    row["rank"], row["gap"] = layout_rank(run)
+                    row["searched"] = True
+        rows.append(row)
+    return rows
+
+
+def agreement(rows, throughput_within=0.15, layout_within=0.10):
+    """The shares the targets of issue 41 are stated in, over the rows each applies to (None where none does):
+    throughput within 15%; published split within 10% of the planner's best; trained layouts that fit; reported
+    out-of-memory layouts predicted out of memory."""
+    def share(flags):
+        flags = list(flags)
+        return sum(flags) / len(flags) if flags else None
+    compared = [r for r in rows if r["fits"] is not None]
+    return {"throughput": share(abs(r["ratio"] - 1) <= throughput_within for r in compared if r["ratio"]),
+            "layout": share(r["gap"] is not None and r["gap"] <= 1 + layout_within for r in rows if r.get("searched")),
+            "trained_fit": share(r["fits"] for r in compared if not r["oom"]),
+            "oom_predicted": share(not r["fits"] for r in compared if r["oom"]),
+            "expressed": share(r["fits"] is not None for r in rows)}
+
+
+VALIDATION_COLUMNS = ("name", "reported_s", "predicted_s", "ratio", "reported_gb", "predicted_gb", "fits", "oom",
+                      "rank", "gap")
+
+
+def format_validation(rows, columns=VALIDATION_COLUMNS):
+    """The validation table, fixed width (the planner's format_rows), '-' where nothing is known; then each refused
+    or unmodelled run with the reason, and what the records hold that the planner cannot take."""
+    shown = [{c: "-" if r.get(c) is None else r[c] for c in columns} for r in rows]
+    lines = [pl.format_rows(shown, columns)]
+    lines += [f"{r['name']}: not compared: {r['error']}" for r in rows if r["error"]]
+    lacks = sorted({field for r in rows for field in r["lacks"]})
+    if lacks:
+        lines.append(f"the planner has no field for: {', '.join(lacks)}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the runs
+#
+# Each family's rows are the source's table rows as printed; what a row leaves unstated is None in its Layout, and
+# what a family took from elsewhere is in its `assumptions`.
+
+NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+             "Megatron-LM' (arXiv 2104.04473)")
+SELENE = 200  # Gb/s per GPU: a DGX A100 has eight HDR InfiniBand ports for its eight GPUs
+
+
+def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True):
+    """Megatron's GPT: a 4h GELU MLP, learned positions, tied embeddings; sequence 2048, vocabulary 51,200 (all of
+    Narayanan et al. 2021's and Korthikanti et al. 2022's models)."""
+    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, name=name)
+
+
+def _narayanan_table1():
+    # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
+    rows = [("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+            ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+            ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+            ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+            ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+    return [Run(f"megatron21 {name}", f"{NARAYANAN}, Table 1, row {name} (also Megatron-LM's README of 2021-04, "
+                                      "images/cases_april2021.png, commit 50a4b5fa02)",
+                gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
+                Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
+                       virtual_stages=None),
+                tflops, flops="narayanan2021",
+                assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
+                             "planner.", "The README's image prints the model-parallel size t x p; the split into "
+                             "t and p and the attention heads are the paper's Table 1 columns."))
+            for name, heads, dim, layers, tp, pp, gpus, batch, tflops in rows]
+
+
+def _narayanan_table2():
+    # (scheme, model, GPUs, batch, micro-batch, TFLOP/s per GPU); the 175B: 96 heads, 12288, 96 layers; the 530B:
+    # 128, 20480, 105. Model-parallel size 96 is t 8 x p 12 (96 layers), 280 is t 8 x p 35 (105 layers).
+    shapes = {"174.6B": gpt("174.6B", 96, 12288, 96), "529.6B": gpt("529.6B", 128, 20480, 105)}
+    splits = {("ZeRO-3", "174.6B"): (1, 1), ("ZeRO-3", "529.6B"): (1, 1), ("PTD-P", "174.6B"): (8, 12),
+              ("PTD-P", "529.6B"): (8, 35)}
+    rows = [("ZeRO-3", "174.6B", 384, 1536, 4, 144), ("ZeRO-3", "174.6B", 768, 1536, 2, 88),
+            ("ZeRO-3", "174.6B", 1536, 1536, 1, 44), ("ZeRO-3", "529.6B", 640, 2560, 4, 138),
+            ("ZeRO-3", "529.6B", 1120, 2240, 2, 98), ("ZeRO-3", "529.6B", 2240, 2240, 1, 48),
+            ("PTD-P", "174.6B", 384, 1536, 1, 153), ("PTD-P", "174.6B", 768, 1536, 1, 149),
+            ("PTD-P", "174.6B", 1536, 1536, 1, 141), ("PTD-P", "529.6B", 560, 2240, 1, 171),
+            ("PTD-P", "529.6B", 1120, 2240, 1, 167), ("PTD-P", "529.6B", 2240, 2240, 1, 159)]
+    runs = []
+    for scheme, model, gpus, batch, mbs, tflops in rows:
+        tp, pp = splits[scheme, model]
+        runs.append(Run(f"megatron21 {scheme} {model} {gpus}", f"{NARAYANAN}, Table 2, {scheme} {model} on {gpus} GPUs",
+                        shapes[model], "A100-80GB", gpus, SELENE,
+                        Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
+                               recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None),
+                        tflops, flops="narayanan2021",
+                        assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
+                                     "recomputation assumed for both.",)))
+    # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
+    # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
+    runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption", shapes["529.6B"],
+                    "A100-80GB", 560, SELENE,
+                    Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3),
+                    None, oom=True,
+                    assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
+                                 "neighbour's on 560 GPUs.",)))
+    return runs
+
+
+def _korthikanti():
+    # Table 3 (model, heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, global batch) and Table 4's
+    # iteration times in seconds: full recomputation, then sequence parallel + selective recomputation
+    rows = [("22B", 64, 6144, 48, 8, 1, 8, 4, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, 13.75),
+            ("530B", 128, 20480, 105, 8, 35, 280, 280, 49.05, 37.83),
+            ("1T", 160, 25600, 128, 8, 64, 512, 512, 94.42, 71.49)]
+    source = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
+              "(arXiv 2205.05198), Tables 3 and 4")
+    return [Run(f"korthikanti22 {name} {recompute}", f"{source}, row {name}, "
+                f"{'full recompute' if recompute == 'full' else 'present work'}",
+                gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
+                Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=1,
+                       recompute=recompute, zero_stage=0, virtual_stages=None),
+                seconds, unit="step_seconds", flops="megatron_model",
+                assumptions=("Micro-batch 1, as the paper's experiments use; the interleaving is not printed.",))
+            for name, heads, dim, layers, tp, pp, gpus, batch, full, selective in rows
+            for recompute, seconds in (("full", full), ("selective", selective))]
+
+
+def _mt_nlg():
+    # (DGX A100 nodes, seconds per iteration, TFLOP/s per GPU): batch 1920, 8-way tensor x 35-way pipeline
+    rows = [(280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)]
+    source = ("Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B' (arXiv 2201.11990), "
+              "section 2 (system): iteration time at {} nodes (quoted in cli99/llm-analysis, "
+              "examples/megatron-turing-nlg/README.md)")
+    return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
+                nodes * 8, SELENE,
+                Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", zero_stage=1,
+                       virtual_stages=None),
+                seconds, unit="step_seconds", flops="narayanan2021",
+                assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
+                             "follow from the times with Narayanan et al.'s formula at that size.",
+                             "Full recomputation and DeepSpeed's ZeRO-1 assumed; micro-batch size not printed."))
+            for nodes, seconds, _ in rows]
+
+
+def _nemotron4():
+    # Table 2: (data-parallel, GPUs, batch, seconds per iteration, MFU %): tensor 8, pipeline 12, interleaved
+    rows = [(16, 1536, 768, 10.3, 42.4), (32, 3072, 1536, 10.3, 42.3), (64, 6144, 2304, 8.0, 41.0)]
+    shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B")
+    return [Run(f"nemotron4 340B {gpus}", f"NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 2, row DP {dp}",
+                shape, "H100-80GB", gpus, 400,
+                Layout(dp=dp, tp=8, pp=12, global_batch=batch, virtual_stages=None),
+                seconds, unit="step_seconds", flops="megatron_model",
+                assumptions=("The interleaving degree, micro-batch, recomputation and optimizer sharding are not "
+                             "printed: left to the planner.",))
+            for dp, gpus, batch, seconds, _ in rows]
+
+
+LLAMA3_405B = Shape(126, 16384, 128, 53248, 128256, 8192, num_kv_heads=8, mlp="swiglu", name="Llama 3 405B")
+
+
+def _llama3():
+    # Table 4: (GPUs, TP, CP, PP, DP, sequence, TFLOP/s per GPU); 16M tokens per batch
+    rows = [(8192, 8, 1, 16, 64, 8192, 430), (16384, 8, 1, 16, 128, 8192, 400), (16384, 8, 16, 16, 8, 131072, 380)]
+    return [Run(f"llama3 405B {gpus} cp{cp}", f"Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783), "
+                f"Table 4, row {gpus} GPUs, CP {cp}", dataclasses.replace(LLAMA3_405B, seq_len=seq), "H100-80GB",
+                gpus, 400,
+                Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=None,
+                       stage_layers=(7,) + (8,) * 14 + (7,)),
+                tflops, flops="6p",
+                assumptions=("The paper does not print its FLOP formula: torchtitan's 6 P + 12 l h s per token "
+                             "assumed (at 131,072 tokens its attention term outweighs 6 P).",
+                             "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
+                             "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
+                             "Micro-batch, recomputation and interleaving degree not printed."))
+            for gpus, tp, cp, pp, dp, seq, tflops in rows]
+
+
+def llama3(size, seq_len=8192):
+    return {"8B": Shape(32, 4096, 32, 14336, 128256, seq_len, num_kv_heads=8, mlp="swiglu", name="Llama 3.1 8B"),
+            "70B": Shape(80, 8192, 64, 28672, 128256, seq_len, num_kv_heads=8, mlp="swiglu", name="Llama 3.1 70B"),
+            "405B": dataclasses.replace(LLAMA3_405B, seq_len=seq_len)}[size]
+
+
+def _torchtitan():
+    source = ("pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26), "
+              "Table {}")
+    common = ("Sequence 8192 unless printed: the train_configs of torchtitan 9dec370.",
+              "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one (ZeRO-2): "
+              "torchtitan/parallelisms/parallelize_llama.py at 9dec370.")
+    runs = []
+
+    def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=()):
+        runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
+                        llama3(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
+                        memory_bytes=gib * GIB, assumptions=common + extra))
+
+    # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16, no torch.compile
+    add(1, "FSDP 8", "8B", 8, Layout(dp=8, global_batch=16, micro_batch_size=2, recompute="selective",
+                                     zero_stage=3), 5762, 82.4)
+    add(3, "FSDP 128", "8B", 128, Layout(dp=128, global_batch=256, micro_batch_size=2, recompute="selective",
+                                         zero_stage=3), 5605, 67.0)
+    # Table 2: FSDP + CP, torch.compile + Float8, local batch 1, full recomputation
+    for dp, cp, seq, tps, gib in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
+                                  (1, 8, 262144, 548, 84.5)):
+        add(2, f"FSDP {dp} CP {cp}", "8B", 8, Layout(dp=dp, cp=cp, global_batch=dp, micro_batch_size=1,
+                                                     recompute="full", zero_stage=3, float8=True), tps, gib, seq)
+    # Table 4: FSDP 32 x TP 8, local batch 16, full recomputation, torch.compile + Float8 (AsyncTP overlaps TP)
+    for label, tps, gib in (("2D", 829, 71.9), ("2D + AsyncTP", 876, 67.6)):
+        add(4, label, "70B", 256, Layout(dp=32, tp=8, global_batch=512, micro_batch_size=16, recompute="full",
+                                         zero_stage=3, float8=True), tps, gib)
+    # Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, full recomputation, torch.compile + Float8 + AsyncTP
+    for label, v, tps, gib in (("1F1B", 1, 100, 82.5), ("Interleaved 1F1B", 2, 128, 72.7)):
+        add(5, label, "405B", 512, Layout(dp=8, tp=8, pp=8, global_batch=256, micro_batch_size=4, recompute="full",
+                                          zero_stage=2, virtual_stages=v, float8=True), tps, gib,
+            extra=("8 micro-batches (torchtitan's default: the pipeline degree), so 4 sequences each; interleaved "
+                   "with 2 stages per rank.",))
+    # Table 6: TP 8 x PP 8 (1F1B) with FSDP x CP, local batch 8, full recomputation, torch.compile + Float8 + AsyncTP
+    for dp, cp, seq, tps, gib in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1),
+                                  (1, 8, 262144, 16, 84.9)):
+        add(6, f"FSDP {dp} CP {cp}", "405B", 512, Layout(dp=dp, tp=8, pp=8, cp=cp, global_batch=8 * dp,
+                                                         micro_batch_size=1, recompute="full", zero_stage=2,
+                                                         float8=True), tps, gib, seq,
+            extra=("8 micro-batches of 1 (torchtitan's default: the pipeline degree).",))
+    # docs/performance.md (2024-06): Llama 3 on 64 A100 80GB, FSDP, local batch 1
+    older = ("pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06), 'Llama 3 performance numbers', "
+             "row {}")
+    for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
+        runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), llama3(size),
+                        "A100-80GB", 64, 200,
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, recompute=recompute, zero_stage=3),
+                        wps, unit="tokens_per_s_per_gpu",
+                        assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
+                                     "described: 200 Gb/s per GPU assumed.", common[1])))
+    return runs
+
+
+def _megatron_core_h100():
+    # Megatron-LM's README (commit 937571cfd4, 2024-07), images/model_table.png: (model, heads, hidden, layers,
+    # tensor, pipeline, data, GPUs, batch, TFLOP/s per GPU); vocabulary 131,072, sequence 4096
+    rows = [("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9),
+            ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
+            ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5),
+            ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+            ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
+            ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9)]
+    return [Run(f"megatron24 {name}", f"NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability', "
+                f"images/model_table.png, row {name}",
+                gpt(name, heads, dim, layers, seq_len=4096, vocab_size=131072), "H100-80GB", gpus, 400,
+                Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None),
+                tflops, flops="megatron_model",
+                assumptions=("GPT with a 4h GELU MLP and tied embeddings (Megatron's defaults; the README names "
+                             "neither).", "Micro-batch, recomputation, optimizer sharding and interleaving not "
+                             "printed; data-, tensor- and pipeline-parallel communication overlapped (the README).",
+                             "400 Gb/s per GPU between nodes assumed (a DGX H100's eight ConnectX-7)."))
+            for name, heads, dim, layers, tp, pp, dp, gpus, batch, tflops in rows]
+
+
+def _others():
+    neox = Run("gpt-neox 20B", "Black et al. 2022, 'GPT-NeoX-20B' (arXiv 2204.06745), section 3; EleutherAI/gpt-neox "
+               "configs/20B.yml ('as it was trained on 96x 40GB A100')",
+               Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
+               Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1),
+               None,
+               assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
+                            "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
+                            "No per-GPU throughput found in the stored sources: left out rather than recalled."))
+    bloom = Run("bloom 176B", "BigScience, bigscience-workshop/bigscience train/tr11-176B-ml/README.md (layout, "
+                "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
+                Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B"), "A100-80GB", 384, 50,
+                Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
+                       stage_layers=(5,) + (6,) * 10 + (5,)),
+                150, flops="bloom_hfu", memory_bytes=60e9,
+                assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
+                             "Four 100 Gb/s Omni-Path links per node of 8 GPUs: 50 Gb/s per GPU.",
+                             "The embedding sits with 5 layers on the first and last stage, 6 layers elsewhere."))
+    opt = Run("opt 175B", "Zhang et al. 2022, 'OPT: Open Pre-trained Transformer Language Models' (arXiv 2205.01068), "
+              "section 2.5 and Table 1", Shape(96, 12288, 96, 4 * 12288, 50272, 2048, tied=True, name="OPT-175B"),
+              "A100-80GB", 992, 200,
+              Layout(dp=124, tp=8, global_batch=1024, zero_stage=3), None,
+              assumptions=("FSDP with Megatron tensor parallelism on 992 GPUs: tensor 8 x data 124 assumed.",
+                           "Batch 2M tokens: 1024 sequences, which 124 replicas do not divide.",
+                           "The paper prints 'up to 147 TFLOP/s per GPU', a peak, not a mean: not compared."))
+    deepseek = Run("deepseek-v3 671B", "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), "
+                   "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
+                   "1 (180K H800 GPU hours per trillion tokens)",
+                   Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, name="DeepSeek-V3"),
+                   "H800-80GB", 2048, 400,
+                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True),
+                   180e3, unit="gpu_hours_per_1e12_tokens",
+                   unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
+                               "layers first, multi-token prediction and DualPipe: no field for any of them"),
+                   assumptions=("Batch 15,360 sequences, its value after the first 469B tokens.",))
+    return [neox, bloom, opt, deepseek]
+
+
+RUNS = (_narayanan_table1() + _narayanan_table2() + _korthikanti() + _mt_nlg() + _nemotron4() + _llama3()
+        + _torchtitan() + _megatron_core_h100() + _others())
