@@ -112,17 +112,24 @@ def megatron_model_flops(shape, batch):
     return 12 * batch * s * l * h**2 * per_layer
 
 
+def num_params(shape):
+    """The model's parameters, as the planner counts them (weights only, no biases), the output layer once if tied."""
+    model = planner_model(shape)
+    untied_here = shape.tied and not getattr(model, "tied", False)  # a planner without the flag counts it twice
+    return model.num_params - untied_here * shape.vocab_size * shape.dim
+
+
 def six_p_flops(shape, batch):
     """torchtitan's get_num_flop_per_token (torchtitan/utils.py, 2024-12): 6 P + 12 l h s per token, P every
     parameter but tok_embeddings, attention's two products over the whole sequence (no causal halving)."""
-    params = planner_model(shape).num_params - shape.vocab_size * shape.dim
+    params = num_params(shape) - shape.vocab_size * shape.dim
     return batch * shape.seq_len * (6 * params + 12 * shape.num_layers * shape.dim * shape.seq_len)
 
 
 def bloom_hardware_flops(shape, batch):
     """BigScience's TFLOPs (bigscience/math/README.md, 'Calculate TFLOPs'): 4 x 2 x P per token, P the model size,
     recomputation counted ('hardware FLOPs'), attention's products left out."""
-    return 8 * planner_model(shape).num_params * shape.seq_len * batch
+    return 8 * num_params(shape) * shape.seq_len * batch
 
 
 FLOP_FORMULAS = {"narayanan2021": narayanan_flops, "megatron_model": megatron_model_flops, "6p": six_p_flops,
@@ -207,24 +214,29 @@ def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE
             for v in stated(layout.virtual_stages, (1, 2))]
 
 
-def estimate_published(run):
-    """The planner's row for the published layout, its unstated knobs at the planner's best (fastest that fits, or
-    the smallest memory if none fits), and what the record holds that the planner cannot take."""
-    model, lacks = planner_model(run.shape, with_missing=True)
-    cluster, lacks_cluster = planner_cluster(run, with_missing=True)
-    rows, lacks_config = [], set()
+def lacking_fields(run):
+    """What the record holds that this planner's Model, Cluster and Config have no field for (at the record's
+    stated values: a tied output layer, interleaving, uneven stages, float8...)."""
+    lacks = set(planner_model(run.shape, with_missing=True)[1]) | set(planner_cluster(run, with_missing=True)[1])
     for mbs, recompute, zero, v in knob_choices(run.layout):
-        config, missing = planner_config(run.layout, mbs, recompute, zero, v, with_missing=True)
-        lacks_config |= set(missing)
+        lacks |= set(planner_config(run.layout, mbs, recompute, zero, v, with_missing=True)[1])
+    return sorted(lacks)
+
+
+def estimate_published(run):
+    """The planner's row for the published layout, its unstated knobs at the planner's best: the fastest that fits,
+    or the smallest in memory if none fits. A ValueError (the planner's message) if it can express none of them."""
+    model, cluster, rows = planner_model(run.shape), planner_cluster(run), []
+    for mbs, recompute, zero, v in knob_choices(run.layout):
         try:
-            rows.append(pl.estimate(model, cluster, run.layout.global_batch, config))
+            rows.append(pl.estimate(model, cluster, run.layout.global_batch,
+                                    planner_config(run.layout, mbs, recompute, zero, v)))
         except ValueError as error:
-            last_error = str(error)
+            refusal = error
     if not rows:
-        raise ValueError(last_error)
+        raise refusal
     fitting = [r for r in rows if r["fits"]]
-    best = min(fitting, key=lambda r: r["step_s"]) if fitting else min(rows, key=lambda r: r["memory_gb"])
-    return best, sorted(set(lacks) | set(lacks_cluster) | lacks_config)
+    return min(fitting, key=lambda r: r["step_s"]) if fitting else min(rows, key=lambda r: r["memory_gb"])
 
 
 LAYOUT_AXES = ("dp", "tp", "pp", "cp", "ep")
@@ -255,10 +267,11 @@ def validate(runs, search=True):
     for run in runs:
         row = {"name": run.name, "reported_s": reported_step_seconds(run), "predicted_s": None, "ratio": None,
                "reported_gb": run.memory_bytes / 1e9 if run.memory_bytes else None, "predicted_gb": None,
-               "fits": None, "oom": run.oom, "rank": None, "gap": None, "lacks": [], "error": run.unmodelled}
+               "fits": None, "oom": run.oom, "rank": None, "gap": None, "lacks": lacking_fields(run),
+               "error": run.unmodelled}
         if not run.unmodelled:
             try:
-                estimate, row["lacks"] = estimate_published(run)
+                estimate = estimate_published(run)
             except ValueError as error:
                 row["error"] = str(error)
             else:
@@ -367,7 +380,7 @@ def _narayanan_table2():
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption", shapes["529.6B"],
                     "A100-80GB", 560, SELENE,
                     Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3),
-                    None, oom=True,
+                    None, flops="narayanan2021", oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",)))
     return runs
