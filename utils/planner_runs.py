@@ -380,7 +380,7 @@ def _narayanan_table2():
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption", shapes["529.6B"],
                     "A100-80GB", 560, SELENE,
                     Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3),
-                    None, flops="narayanan2021", oom=True,
+                    None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",)))
     return runs
