@@ -400,7 +400,9 @@ def _korthikanti():
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=1,
                        recompute=recompute, zero_stage=0, virtual_stages=None),
                 seconds, unit="step_seconds", flops="megatron_model",
-                assumptions=("Micro-batch 1, as the paper's experiments use; the interleaving is not printed.",))
+                assumptions=("Micro-batch 1, as the paper's experiments use; the interleaving is not printed.",
+                             "Tables 3 and 4 are not among the stored sources: the numbers are the paper's as "
+                             "recalled; the tests check the times against its MFU and speed-up columns."))
             for name, heads, dim, layers, tp, pp, gpus, batch, full, selective in rows
             for recompute, seconds in (("full", full), ("selective", selective))]
 
@@ -431,7 +433,8 @@ def _nemotron4():
                 Layout(dp=dp, tp=8, pp=12, global_batch=batch, virtual_stages=None),
                 seconds, unit="step_seconds", flops="megatron_model",
                 assumptions=("The interleaving degree, micro-batch, recomputation and optimizer sharding are not "
-                             "printed: left to the planner.",))
+                             "printed: left to the planner.", "Table 2 is not among the stored sources (a page "
+                             "quoting its 6144-GPU row is): the tests check the times against its MFU column."))
             for dp, gpus, batch, seconds, _ in rows]
 
 
@@ -451,7 +454,9 @@ def _llama3():
                              "assumed (at 131,072 tokens its attention term outweighs 6 P).",
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
-                             "Micro-batch, recomputation and interleaving degree not printed."))
+                             "Micro-batch, recomputation and interleaving degree not printed.",
+                             "Table 4 as quoted by a stored page (GPUs, TP, CP, PP, tokens per batch, TFLOP/s); "
+                             "DP follows from the GPU count."))
             for gpus, tp, cp, pp, dp, seq, tflops in rows]
 
 
@@ -569,7 +574,9 @@ def _others():
                    180e3, unit="gpu_hours_per_1e12_tokens",
                    unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
                                "layers first, multi-token prediction and DualPipe: no field for any of them"),
-                   assumptions=("Batch 15,360 sequences, its value after the first 469B tokens.",))
+                   assumptions=("Batch 15,360 sequences, its value after the first 469B tokens.",
+                                "The report is not among the stored sources: its numbers as recalled, checked "
+                                "against its '3.7 days per trillion tokens on 2048 GPUs'."))
     return [neox, bloom, opt, deepseek]
 
 
