@@ -11,7 +11,6 @@ split, and each record says in `assumptions` what it took from elsewhere. Conver
 numbers the sources print next to them (tests/test_planner_runs.py).
 """
 import dataclasses
-import math
 
 from utils import planner as pl
 
@@ -259,16 +258,17 @@ def layout_rank(run, **choices):
 # ---------------------------------------------------------------- validation
 
 def validate(runs, search=True):
-    """A row per run: reported and predicted step seconds and memory, the ratio of predicted to reported throughput,
-    whether the planner fits it (and whether the source says it ran out of memory), the published split's rank and
-    gap in the planner's search (search=False skips the search: seconds for the whole table), and what the record
-    holds that the planner lacks. A run the planner refuses carries the planner's message in 'error'."""
+    """A row per run: reported and predicted step seconds and memory (GB), the ratios of predicted to reported
+    throughput and memory, whether the planner fits it (and whether the source says it ran out of memory), the
+    published split's rank and gap in the planner's search (search=False skips the search: the whole table in under
+    a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
+    lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
     rows = []
     for run in runs:
         row = {"name": run.name, "reported_s": reported_step_seconds(run), "predicted_s": None, "ratio": None,
                "reported_gb": run.memory_bytes / 1e9 if run.memory_bytes else None, "predicted_gb": None,
-               "fits": None, "oom": run.oom, "rank": None, "gap": None, "lacks": lacking_fields(run),
-               "error": run.unmodelled}
+               "memory_ratio": None, "fits": None, "oom": run.oom, "rank": None, "gap": None,
+               "lacks": lacking_fields(run), "error": run.unmodelled}
         if not run.unmodelled:
             try:
                 estimate = estimate_published(run)
@@ -280,6 +280,8 @@ def validate(runs, search=True):
                         "recompute": estimate["recompute"], "zero_stage": estimate["zero_stage"]}
                 if row["reported_s"] is not None:
                     row["ratio"] = row["reported_s"] / row["predicted_s"]  # predicted throughput / reported
+                if row["reported_gb"] is not None:
+                    row["memory_ratio"] = row["predicted_gb"] / row["reported_gb"]
                 if search and not run.oom:
                     row["rank"], row["gap"] = layout_rank(run)
                     row["searched"] = True
@@ -302,8 +304,8 @@ def agreement(rows, throughput_within=0.15, layout_within=0.10):
             "expressed": share(r["fits"] is not None for r in rows)}
 
 
-VALIDATION_COLUMNS = ("name", "reported_s", "predicted_s", "ratio", "reported_gb", "predicted_gb", "fits", "oom",
-                      "rank", "gap")
+VALIDATION_COLUMNS = ("name", "reported_s", "predicted_s", "ratio", "reported_gb", "predicted_gb", "memory_ratio",
+                      "fits", "oom", "rank", "gap")
 
 
 def format_validation(rows, columns=VALIDATION_COLUMNS):
