@@ -432,11 +432,12 @@ def _nemotron4():
     shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B")
     return [Run(f"nemotron4 340B {gpus}", f"NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 2, row DP {dp}",
                 shape, "H100-80GB", gpus, 400,
-                Layout(dp=dp, tp=8, pp=12, global_batch=batch, virtual_stages=None),
+                Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None),
                 seconds, unit="step_seconds", flops="megatron_model",
-                assumptions=("The interleaving degree, micro-batch, recomputation and optimizer sharding are not "
-                             "printed: left to the planner.", "Table 2 is not among the stored sources (a page "
-                             "quoting its 6144-GPU row is): the tests check the times against its MFU column."))
+                assumptions=("Table 2 read in a stored summary of the report; the distributed optimizer (ZeRO-1) "
+                             "from the same; the tests check the times against its MFU column.",
+                             "The interleaving degree, micro-batch and recomputation are not printed: left to the "
+                             "planner."))
             for dp, gpus, batch, seconds, _ in rows]
 
 
@@ -457,8 +458,8 @@ def _llama3():
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
                              "Micro-batch, recomputation and interleaving degree not printed.",
-                             "Table 4 as quoted by a stored page (GPUs, TP, CP, PP, tokens per batch, TFLOP/s); "
-                             "DP follows from the GPU count."))
+                             "Table 4 read in stored copies of the paper; some print DP 4 in the CP row, which "
+                             "neither 16,384 GPUs nor 16M tokens per batch allow: DP 8, as v3 prints."))
             for gpus, tp, cp, pp, dp, seq, tflops in rows]
 
 
@@ -577,8 +578,8 @@ def _others():
                    unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
                                "layers first, multi-token prediction and DualPipe: no field for any of them"),
                    assumptions=("Batch 15,360 sequences, its value after the first 469B tokens.",
-                                "The report is not among the stored sources: its numbers as recalled, checked "
-                                "against its '3.7 days per trillion tokens on 2048 GPUs'."))
+                                "Read in a stored summary quoting the report's sections 1, 3.1 and 3.2 (its "
+                                "measured links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU)."))
     return [neox, bloom, opt, deepseek]
 
 
