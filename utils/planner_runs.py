@@ -327,7 +327,7 @@ def format_validation(rows, columns=VALIDATION_COLUMNS):
 
 NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
              "Megatron-LM' (arXiv 2104.04473)")
-SELENE = 200  # Gb/s per GPU: a DGX A100 has eight HDR InfiniBand ports for its eight GPUs
+SELENE = 200  # Gb/s per GPU: "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs" per 8-GPU node (MT-NLG, section 2)
 
 
 def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True):
