@@ -5,9 +5,9 @@
         -> validate(RUNS): the planner at the published layout, predicted against reported, and the rank of that
            layout among the planner's search
 
-A number the source does not print is None in the record, never a guess: the layout knobs left None (micro-batch
-size, recomputation, ZeRO stage, interleaving) are chosen by validate() at the planner's best for the published
-split, and each record says in `assumptions` what it took from elsewhere. Conversions are checked against the
+A layout knob the source does not print (micro-batch size, recomputation, ZeRO stage, interleaving) is None in the
+record, and validate() takes the planner's best for the published split; a value taken from elsewhere (a framework's
+default, a formula that reproduces the printed numbers) is named in the record's `assumptions`. Conversions are checked against the
 numbers the sources print next to them (tests/test_planner_runs.py).
 """
 import dataclasses
@@ -417,12 +417,12 @@ def _mt_nlg():
               "examples/megatron-turing-nlg/README.md)")
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
-                Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", zero_stage=1,
-                       virtual_stages=None),
+                Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=None),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
-                             "Full recomputation and DeepSpeed's ZeRO-1 assumed; micro-batch size not printed."))
+                             "Full recomputation: the printed TFLOP/s count it (4 passes); micro-batch, ZeRO stage "
+                             "and interleaving not printed."))
             for nodes, seconds, _ in rows]
 
 
