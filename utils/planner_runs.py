@@ -7,8 +7,8 @@
 
 A layout knob the source does not print (micro-batch size, recomputation, ZeRO stage, interleaving) is None in
 the record, and validate() takes the planner's best for the published split; a value taken from elsewhere (a
-framework's default, a formula that reproduces the printed numbers) is named in the record's `assumptions`. Conversions are checked against the
-numbers the sources print next to them (tests/test_planner_runs.py).
+framework's default, a formula that reproduces the printed numbers) is named in the record's `assumptions`.
+Conversions are checked against the numbers the sources print next to them (tests/test_planner_runs.py).
 """
 import dataclasses
 
