@@ -128,9 +128,12 @@ def test_parameter_counts_match_the_sources():
 def test_tokens_per_second_and_batches_as_printed():
     run = RUNS["torchtitan 8B FSDP 8"]  # Table 1: local batch 2 on 8 GPUs, 8192 tokens, 5762 tokens/s per GPU
     assert run.layout.global_batch == 16 and math.isclose(pr.reported_step_seconds(run), 16 * 8192 / (8 * 5762))
-    for name in ("llama3 405B 8192 cp1", "llama3 405B 16384 cp1", "llama3 405B 16384 cp16"):
-        run = RUNS[name]  # Table 4: 16M tokens per batch
+    for name, per_dp in (("llama3 405B 8192 cp1", 32), ("llama3 405B 16384 cp1", 16), ("llama3 405B 16384 cp16", 16)):
+        run = RUNS[name]  # Table 4: 16M tokens per batch, its 'Batch size/DP' column
         assert run.layout.global_batch * run.shape.seq_len == 2**24, name
+        assert run.layout.global_batch == per_dp * run.layout.dp, name
+    opt = RUNS["opt 175B"]  # metaseq's launcher: (2M tokens // data-parallel replicas) // 2048 sequences each
+    assert opt.layout.global_batch == (2 * 1024 * 1024 // opt.layout.dp) // 2048 * opt.layout.dp == 992
 
 
 # ---------------------------------------------------------------- validation

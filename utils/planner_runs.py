@@ -34,8 +34,8 @@ ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message: assumed, as in te
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The model. mlp: 'gelu' (two matrices, Megatron's GPT), 'relu2' (two, squared ReLU: Nemotron-4) or 'swiglu'
-    (three: Llama). tied: the output layer shares tok_embeddings' weight."""
+    """The model. mlp: 'gelu' (two matrices, Megatron's GPT), 'relu' (two: OPT), 'relu2' (two, squared ReLU:
+    Nemotron-4) or 'swiglu' (three: Llama). tied: the output layer shares tok_embeddings' weight."""
 
     num_layers: int
     dim: int
@@ -169,7 +169,7 @@ def _known(cls, **values):
     return cls(**{k: v for k, v in values.items() if k in names}), [k for k in values if k not in names]
 
 
-MLP_MATRICES = {"gelu": 2, "relu2": 2, "swiglu": 3}
+MLP_MATRICES = {"gelu": 2, "relu": 2, "relu2": 2, "swiglu": 3}
 
 
 def planner_model(shape, with_missing=False):
@@ -419,8 +419,9 @@ def _mt_nlg():
     # (DGX A100 nodes, seconds per iteration, TFLOP/s per GPU): batch 1920, 8-way tensor x 35-way pipeline
     rows = [(280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)]
     source = ("Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B' (arXiv 2201.11990), "
-              "section 2 (system): iteration time at {} nodes (quoted in cli99/llm-analysis, "
-              "examples/megatron-turing-nlg/README.md)")
+              "section 2.4: iteration time and TFLOP/s at {} nodes, as cli99/llm-analysis quotes them "
+              "(examples/megatron-turing-nlg/README.md); section 2.2: 'each 530 billion parameter model replica spans "
+              "280 NVIDIA A100 GPUs, with 8-way tensor-slicing within a node and 35-way pipeline parallelism'")
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=None),
@@ -440,8 +441,12 @@ def _nemotron4():
                 shape, "H100-80GB", gpus, 400,
                 Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None),
                 seconds, unit="step_seconds", flops="megatron_model",
-                assumptions=("Table 2 read in a stored summary of the report; the distributed optimizer (ZeRO-1) "
-                             "from the same; the tests check the times against its MFU column.",
+                assumptions=("Table 2 and section 3.1 ('8-way tensor parallelism, 12-way pipeline parallelism with "
+                             "interleaving', a distributed optimizer sharding the optimizer state over the data-"
+                             "parallel replicas, eight 400 Gbps HCAs per 8-GPU node) as transcribed in a stored copy "
+                             "of the report; the 6,144-GPU row (8.0 s at batch 2304) is also quoted by Epoch AI's "
+                             "notes (aiportalx.com/nvidia/nemotron-4-340b). The tests check the times against Table "
+                             "2's MFU column.",
                              "The interleaving degree, micro-batch and recomputation are not printed: left to the "
                              "planner."))
             for dp, gpus, batch, seconds, _ in rows]
@@ -464,8 +469,9 @@ def _llama3():
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
                              "Micro-batch, recomputation and interleaving degree not printed.",
-                             "Table 4 read in stored copies of the paper; some print DP 4 in the CP row, which "
-                             "neither 16,384 GPUs nor 16M tokens per batch allow: DP 8, as v3 prints."))
+                             "Table 4 as arXiv 2407.21783v3 (p. 10) prints it, quoted in stored notes; v1's text "
+                             "prints DP 4 in the CP row, which neither 16,384 GPUs nor 16M tokens per batch (16 "
+                             "sequences per DP rank) allow."))
             for gpus, tp, cp, pp, dp, seq, tflops in rows]
 
 
@@ -567,13 +573,20 @@ def _others():
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
                              "Four 100 Gb/s Omni-Path links per node of 8 GPUs: 50 Gb/s per GPU.",
                              "The embedding sits with 5 layers on the first and last stage, 6 layers elsewhere."))
-    opt = Run("opt 175B", "Zhang et al. 2022, 'OPT: Open Pre-trained Transformer Language Models' (arXiv 2205.01068), "
-              "section 2.5 and Table 1", Shape(96, 12288, 96, 4 * 12288, 50272, 2048, tied=True, name="OPT-175B"),
+    metaseq = "facebookresearch/metaseq at f7ffa5fd61 (2023-06)"
+    opt = Run("opt 175B", f"Zhang et al. 2022, 'OPT' (arXiv 2205.01068); {metaseq}: projects/OPT/download_opt175b.md "
+              "('trained OPT-175B on 124 hosts', '8x tensor parallelism'), "
+              "projects/OPT/chronicles/10_percent_update.md ('Batch-size of 2M'), metaseq/launcher/opt_baselines.py "
+              "and opt_job_constants.py (row '175b')",
+              Shape(96, 12288, 96, 4 * 12288, 50272, 2048, mlp="relu", tied=True, name="OPT-175B"),
               "A100-80GB", 992, 200,
-              Layout(dp=124, tp=8, global_batch=1024, zero_stage=3), None,
-              assumptions=("FSDP with Megatron tensor parallelism on 992 GPUs: tensor 8 x data 124 assumed.",
-                           "Batch 2M tokens: 1024 sequences, which 124 replicas do not divide.",
-                           "The paper prints 'up to 147 TFLOP/s per GPU', a peak, not a mean: not compared."))
+              Layout(dp=124, tp=8, global_batch=992, micro_batch_size=8, recompute="full", zero_stage=2), None,
+              assumptions=("The layout as metaseq's launcher sets it (opt_baselines.py): --batch-size (2M tokens // "
+                           "124 replicas) // 2048 = 8 sequences, --update-freq 1, so 992 a step; "
+                           "--checkpoint-activations; FSDP with --no-reshard-after-forward (ZeRO-2).",
+                           "Inter-node network not described in the stored sources: 200 Gb/s per GPU assumed.",
+                           "No measured throughput in the stored sources (chronicles/final_update.md's ~33 days on "
+                           "1024 A100s for 4.30E+23 FLOPs is an estimate): none compared."))
     deepseek = Run("deepseek-v3 671B", "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), "
                    "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
                    "1 (180K H800 GPU hours per trillion tokens)",
@@ -583,9 +596,12 @@ def _others():
                    180e3, unit="gpu_hours_per_1e12_tokens",
                    unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
                                "layers first, multi-token prediction and DualPipe: no field for any of them"),
-                   assumptions=("Batch 15,360 sequences, its value after the first 469B tokens.",
-                                "Read in a stored summary quoting the report's sections 1, 3.1 and 3.2 (its "
-                                "measured links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU)."))
+                   assumptions=("Batch 15,360 sequences of 4096, its value after the first 469B tokens "
+                                "(section 4.2).",
+                                "Sections 1, 3.1, 3.2 and 4.2 as transcribed in stored copies of the report (its "
+                                "links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); the shape from the released "
+                                "config.json (61 layers, 7168, 128 heads, 256 routed experts of 2048, top 8, "
+                                "vocabulary 129,280)."))
     return [neox, bloom, opt, deepseek]
 
 
