@@ -355,6 +355,9 @@ def _narayanan_table1():
             for name, heads, dim, layers, tp, pp, gpus, batch, tflops in rows]
 
 
+TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
+
+
 def _narayanan_table2():
     # (scheme, model, GPUs, batch, micro-batch, TFLOP/s per GPU); the 175B: 96 heads, 12288, 96 layers; the 530B:
     # 128, 20480, 105. Model-parallel size 96 is t 8 x p 12 (96 layers), 280 is t 8 x p 35 (105 layers).
@@ -370,7 +373,8 @@ def _narayanan_table2():
     runs = []
     for scheme, model, gpus, batch, mbs, tflops in rows:
         tp, pp = splits[scheme, model]
-        runs.append(Run(f"megatron21 {scheme} {model} {gpus}", f"{NARAYANAN}, Table 2, {scheme} {model} on {gpus} GPUs",
+        runs.append(Run(f"megatron21 {scheme} {model} {gpus}", f"{NARAYANAN}, Table 2, {scheme} {model} on {gpus} GPUs "
+                        f"({TABLE2_IMAGE})",
                         shapes[model], "A100-80GB", gpus, SELENE,
                         Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
                                recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None),
@@ -379,8 +383,8 @@ def _narayanan_table2():
                                      "recomputation assumed for both.",)))
     # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
-    runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption", shapes["529.6B"],
-                    "A100-80GB", 560, SELENE,
+    runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
+                    shapes["529.6B"], "A100-80GB", 560, SELENE,
                     Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3),
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
