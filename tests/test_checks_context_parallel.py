@@ -55,7 +55,8 @@ def test_a_mask_the_ring_cannot_honour_is_refused():
 # ---------------------------------------------------------------- merge
 
 MERGE = """    merged = torch.logaddexp(lse, block_lse)
-    out = torch.exp(lse - merged)[..., None] * out + torch.exp(block_lse - merged)[..., None] * block_out
+    shift = merged.clamp_min(torch.finfo(merged.dtype).min)  # both -inf: exp(-inf - finite) = 0, not exp(NaN)
+    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse - shift)[..., None] * block_out
     return out, merged
 """
 MERGE_MISTAKES = {
@@ -74,6 +75,12 @@ MERGE_MISTAKES = {
         "    a, b = torch.exp(lse)[..., None], torch.exp(block_lse)[..., None]\n"
         "    return (a * out + b * block_out) / (a + b), torch.log(torch.exp(lse) + torch.exp(block_lse))\n",
         "overflow here: exponentiate differences"),
+    # issue 43 (found by students): right wherever a query sees some key, NaN where it sees none in either block
+    "NaN where both blocks are unseen": (
+        "    merged = torch.logaddexp(lse, block_lse)\n"
+        "    out = torch.exp(lse - merged)[..., None] * out + torch.exp(block_lse - merged)[..., None] * block_out\n"
+        "    return out, merged\n", "queries that see no key of either block: merge's out holds inf or NaN. A query "
+        "that sees no key of either block has lse -inf on both sides: .* its weights must come out 0"),
 }
 
 
@@ -85,12 +92,16 @@ def test_merge_mistakes_are_named(mistake):
 
 
 @pytest.mark.parametrize("other", [
-    # the running maximum made explicit, as FlashAttention's papers write it
+    # the running maximum made explicit, as FlashAttention's papers write it (a query seeing no key: weights 0)
     "    m = torch.maximum(lse, block_lse)\n    a, b = torch.exp(lse - m), torch.exp(block_lse - m)\n"
-    "    return (a[..., None] * out + b[..., None] * block_out) / (a + b)[..., None], m + torch.log(a + b)\n",
-    # the sigmoid form of ring-flash-attention
+    "    seen = m > float('-inf')\n    a, b = a.where(seen, 0), b.where(seen, 0)\n"
+    "    out = (a[..., None] * out + b[..., None] * block_out) / (a + b).where(seen, 1)[..., None]\n"
+    "    return out, m + torch.log(a + b)\n",
+    # the sigmoid form of ring-flash-attention, with a query that sees no key of either block kept out 0, lse -inf
     "    merged = lse - torch.nn.functional.logsigmoid(lse - block_lse)\n"
-    "    return out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out), merged\n",
+    "    out = out - torch.sigmoid(block_lse - lse)[..., None] * (out - block_out)\n"
+    "    unseen = (lse == float('-inf')) & (block_lse == float('-inf'))\n"
+    "    return out.masked_fill(unseen[..., None], 0), merged.masked_fill(unseen, float('-inf'))\n",
 ])
 def test_merge_written_another_way_passes(other):
     check_merge(wrong(MERGE, other).merge)

@@ -39,15 +39,26 @@ def _where(got, want, dim):
 
 # ---------------------------------------------------------------- the merge
 
+BOTH_UNSEEN = "queries that see no key of either block"
+
+
+def _same_attention(got, want):
+    """close, where -inf (a query that sees no key) must be -inf too: out 0, lse -inf."""
+    hidden = want == float("-inf")
+    return bool((got[hidden] == float("-inf")).all()) and close(got.masked_fill(hidden, 0), want.masked_fill(hidden, 0))
+
+
 def merge_cases():
     """(name, out_a, lse_a, out_b, lse_b, want_out, want_lse): two blocks of keys of one set of queries, merged."""
     cases = []
     for name, scale, mask_b in [("ordinary scores", 1.0, False), ("scores near 1000 (exp overflows)", 20.0, False),
-                                ("a block no query sees", 1.0, True)]:
+                                ("a block no query sees", 1.0, True), (BOTH_UNSEEN, 1.0, True)]:
         q, k, v = ra.attention_inputs(2, 2, 5, 4, seed=11, scale=scale)
         k, v = k[..., :4, :], v[..., :4, :]
         q_positions, k_positions = torch.arange(5), torch.arange(4)
-        a = ra.block_attention(q, k[..., :3, :], v[..., :3, :], q_positions, k_positions[:3], "none")
+        # in the last case queries 0-2 see no key of the first block either (its keys are at 3-5): lse -inf twice
+        shift, mask_a = (3, "causal") if name == BOTH_UNSEEN else (0, "none")
+        a = ra.block_attention(q, k[..., :3, :], v[..., :3, :], q_positions, k_positions[:3] + shift, mask_a)
         if mask_b:  # the second block's keys come after every query: it contributes nothing
             b = ra.block_attention(q, k[..., 3:, :], v[..., 3:, :], q_positions, k_positions[3:] + 10, "causal")
             want = a
@@ -90,21 +101,25 @@ def check_merge(merge):
                 raise AssertionError(f"{name}: merge's {what} has shape {tuple(getattr(value, 'shape', ()))}, "
                                      f"expected {tuple(want.shape)} (out: (..., queries, head_dim), lse: "
                                      f"(..., queries))")
-            if close(value, want):
+            if _same_attention(value, want):
                 continue
-            if not torch.isfinite(value).all():
+            if value.isnan().any() or (value.isinf() & (want != float("-inf"))).any():
                 raise AssertionError(
                     f"{name}: merge's {what} holds inf or NaN. " + (
                         "Exponentials of scores or lse's themselves overflow here: exponentiate differences "
                         "(exp(lse_block - lse_merged)), which are never above 0" if "1000" in name else
+                        "A query that sees no key of either block has lse -inf on both sides: the merged lse is "
+                        "-inf, so exp(lse - lse_merged) is exp(-inf + inf) = NaN; its weights must come out 0 "
+                        "(out 0, lse -inf): subtract a finite shift, such as lse_merged clamped to the dtype's "
+                        "lowest value, so that exp(-inf - finite) = 0" if name == BOTH_UNSEEN else
                         "A block no query sees has out 0 and lse -inf: its weight must come out 0, not NaN "
                         "(torch.logaddexp handles -inf; exp(-inf - finite) is 0)"))
             hint = confirmed(value, [(v, h) for v, which, h in _merge_mistakes(out_a, lse_a, out_b, lse_b)
                                       if which == what])
             raise AssertionError(f"{name}: merge's {what} differs from attention over both blocks by up to "
                                  f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
-    print("merge: two blocks of keys merge into attention over both, also with scores near 1000 and with a block "
-          "no query sees")
+    print("merge: two blocks of keys merge into attention over both, also with scores near 1000, with a block no "
+          "query sees, and with queries that see no key of either (out 0, lse -inf)")
 
 
 # ---------------------------------------------------------------- attention in blocks, one process
