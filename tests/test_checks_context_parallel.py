@@ -126,6 +126,14 @@ BLOCKWISE_MISTAKES = {
     "every query against each block of keys": (
         "    for q_pos in positions.split(block_size):\n", "    for q_pos in [positions]:\n", "at most block_size"),
     "lse of the last block only": ("        lses.append(lse)\n", "        lses.append(block[1])\n", "lse differs"),
+    # issue 43's patterns: per-block state not reset; a running lse that starts at 0
+    "running result not reset per block of queries": (
+        "    for q_pos in positions.split(block_size):\n        out = lse = None\n",
+        "    out = lse = None\n    for q_pos in positions.split(block_size):\n", "not reset for each block of queries"),
+    "running lse started at 0": (
+        "        out = lse = None\n        for k_pos in positions.split(block_size):\n",
+        "        out, lse = torch.zeros_like(q[..., q_pos, :]), torch.zeros(q[..., q_pos, 0].shape, dtype=q.dtype)\n"
+        "        for k_pos in positions.split(block_size):\n", "the running lse started at 0"),
 }
 
 
@@ -136,10 +144,19 @@ def test_blockwise_mistakes_are_named(mistake):
         check_blockwise_attention(wrong(old, new).blockwise_attention)
 
 
-def test_blockwise_written_another_way_passes():
-    # slices instead of index tensors, and `break` at the first hidden block (the rest are later still)
-    other = wrong(SKIP, "            if not ra.visible(q_pos, k_pos, mask):\n                break\n")
-    check_blockwise_attention(other.blockwise_attention)
+@pytest.mark.parametrize("edits", [
+    # `break` at the first hidden block (the rest are later still)
+    {SKIP: "            if not ra.visible(q_pos, k_pos, mask):\n                break\n"},
+    # the running result started at out 0, lse -inf (nothing seen yet), every block merged into it
+    {"        out = lse = None\n        for k_pos in positions.split(block_size):\n":
+     "        out = torch.zeros_like(q[..., q_pos, :])\n"
+     "        lse = torch.full(q[..., q_pos, 0].shape, float('-inf'), dtype=q.dtype)\n"
+     "        for k_pos in positions.split(block_size):\n",
+     "mask)\n            out, lse = block if out is None else merge(out, lse, *block)\n        outs.append(out)":
+     "mask)\n            out, lse = merge(out, lse, *block)\n        outs.append(out)"},
+])
+def test_blockwise_written_another_way_passes(edits):
+    check_blockwise_attention(solution(NAME, replace=edits).blockwise_attention)
 
 
 # ---------------------------------------------------------------- ring attention, forward

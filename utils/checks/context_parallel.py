@@ -152,12 +152,18 @@ def score_entries(calls, mask):
     return total, hidden
 
 
-def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions):
+def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions, carried=False, lse_from=None):
     """Attention in blocks as a mistake computes it: `key_blocks(q_pos, k_pos)` says which blocks of keys a block of
-    queries merges, `masked_positions(p)` which positions the mask is given."""
+    queries merges, `masked_positions(p)` which positions the mask is given; `carried`: the running (out, lse) not
+    reset for each block of queries; `lse_from`: the running lse starts at this value (out at 0), not at the first
+    block's."""
     positions, outs = torch.arange(q.shape[-2]), []
+    out = lse = None
     for q_pos in positions.split(block_size):
-        out = lse = None
+        if not carried:
+            out = lse = None
+        if lse_from is not None:
+            out, lse = torch.zeros_like(q[..., q_pos, :]), torch.full(q[..., q_pos, 0].shape, lse_from, dtype=q.dtype)
         for k_pos in positions.split(block_size):
             if key_blocks(q_pos, k_pos):
                 block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :],
@@ -177,7 +183,17 @@ def _blockwise_mistakes(q, k, v, block_size, mask):
         (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p - p[0]),
          "the blocks were masked with positions counted from each block's start: a block's queries and keys keep "
          "their global positions (the mask compares them)"),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p, carried=True),
+         CARRIED),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p, lse_from=0.0),
+         "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more in "
+         "its denominator; start from the first block's (out, lse), or from out 0 and lse -inf (a block no key of "
+         "which is seen)"),
     ]
+
+
+CARRIED = ("the running (out, lse) was not reset for each block of queries: a block of queries merged the blocks of "
+           "keys of the blocks of queries before it too; start each block of queries afresh (out = lse = None)")
 
 
 def check_blockwise_attention(blockwise_attention):
@@ -190,8 +206,15 @@ def check_blockwise_attention(blockwise_attention):
         for block_size in (4, 5, 1, 12, 16):
             case = f"block_size {block_size}, mask {mask!r}, sequence 12"
             calls = []
-            with traced_blocks(calls):
-                got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
+            try:
+                with traced_blocks(calls):
+                    got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
+            except RuntimeError as e:  # a library error inside the student's function: what in it caused it
+                raise AssertionError(f"{case}: blockwise_attention raised RuntimeError: {str(e).splitlines()[0]}" + (
+                    f": {CARRIED}, and this block of queries has {12 % block_size} where the one before had "
+                    f"{block_size}" if 12 % block_size and "size of tensor" in str(e) else
+                    ": each block of queries (q[..., q_pos, :]) meets each block of keys (k[..., k_pos, :]); merge "
+                    "pieces of the same queries only")) from e
             if not (isinstance(got, tuple) and len(got) == 2):
                 raise AssertionError(f"{case}: blockwise_attention must return (out, lse), got {type(got).__name__}")
             got_out, got_lse = got
