@@ -187,6 +187,16 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
         "    kv = torch.stack([k, v])  # one message per step\n",
         "    kv = torch.stack([k, v])  # one message per step\n"
         "    dist.all_gather([torch.empty_like(kv) for _ in range(world_size)], kv)\n", "calls dist.all_gather"),
+    # issue 43's patterns: a direction right only on 2 ranks; a running lse that starts at 0
+    "the block taken for rank + step's": (
+        "        source = (rank - step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(",
+        "        source = (rank + step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(", "the source was taken as rank \\(rank \\+ s\\) mod N"),
+    "running lse started at 0": (
+        "    kv = torch.stack([k, v])  # one message per step\n    out = lse = None\n",
+        "    kv = torch.stack([k, v])  # one message per step\n"
+        "    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)\n", "the running lse started at 0"),
     "a transfer after the last step too": (
         "        last = step == world_size - 1\n        if not last:\n            incoming = torch.empty_like(kv)\n"
         + START, "        last = False\n        if not last:\n            incoming = torch.empty_like(kv)\n" + START,
@@ -226,6 +236,15 @@ BACKWARD_MISTAKES = {
     "waits for the next block before computing": (
         BACKWARD_START, BACKWARD_START + "            for transfer in transfers:\n                transfer.wait()\n"
         "            transfers = []\n", "no transfer was in flight"),
+    # issue 43's patterns: overwrite where one must accumulate; the returned gradients taken in the wrong order
+    "dq assigned, not added": ("            dq += block_dq\n", "            dq = block_dq\n",
+                               "rank \\d's dq .* only the last block's share: each block's dq was assigned, not added"),
+    "dkv assigned, not added": ("            dkv += torch.stack([block_dk, block_dv])\n",
+                                "            dkv = torch.stack([block_dk, block_dv])\n",
+                                "only the last block's share: each block's dk was assigned, not added"),
+    "dk and dv swapped": ("            block_dq, block_dk, block_dv = ra.block_attention_backward(",
+                          "            block_dq, block_dv, block_dk = ra.block_attention_backward(",
+                          "it is dv: ra.block_attention_backward returns \\(dq, dk, dv\\), in that order"),
     "hidden blocks computed": ("        if ra.visible(positions[rank], positions[source], mask):\n            block_dq",
                                "        if True:\n            block_dq", "every key comes after every query"),
 }

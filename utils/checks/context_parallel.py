@@ -289,6 +289,8 @@ def _simulated_ring(q, k, v, positions, mask, variant):
     world_size, out_by_position = len(positions), torch.empty_like(q)
     for rank, mine in enumerate(positions):
         out = lse = None
+        if variant == "zero start":
+            out, lse = torch.zeros_like(q[..., mine, :]), torch.zeros(q[..., mine, 0].shape, dtype=q.dtype)
         for step in range(world_size):
             source = (rank - step) % world_size
             held = (rank + step) % world_size if variant == "other direction" else source
@@ -313,8 +315,14 @@ RING_MISTAKES = {
                                 "came from rank (rank - s) mod N and has that rank's positions",
     "own positions": "every block was masked with this rank's own positions: the block held at step s came from "
                      "rank (rank - s) mod N and has that rank's positions",
+    # a source computed as rank + s gives these very numbers (the same pairs of a block and positions, merged in
+    # another order): the hint names both
     "other direction": "the blocks travel one way round the ring and their positions are taken for the other: "
-                       "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block",
+                       "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block; "
+                       "either the source was taken as rank (rank + s) mod N, or the blocks were sent to rank - 1 "
+                       "(on 2 ranks the two are the same rank, so only 3 or more show it)",
+    "zero start": "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more "
+                  "in its denominator; start from the first block's (out, lse)",
 }
 
 
@@ -467,21 +475,45 @@ def check_ring_attention_backward(ring_attention_forward, ring_attention_backwar
           f"key/value gradients home after N steps")
 
 
+def _other_grad(q, k, v, grad_out, mask, name):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ra.reference_attention(*leaves, mask)[0].backward(grad_out)
+    return leaves[{"dq": 0, "dk": 1, "dv": 2}[name]].grad
+
+
 def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, mask):
     """The confirmed reason a rank's dq, dk or dv is wrong, or None."""
     candidates, n, mine = [], len(positions), positions[rank]
+    out, lse = ra.reference_attention(q, k, v, mask)
+    which = {"dq": 0, "dk": 1, "dv": 2}[name]
+
+    def share(r, j):
+        """Rank r's share of block j's (dq, dk, dv)[which], or None where r's queries see none of block j."""
+        a, b = positions[r], positions[j]
+        if not ra.visible(a, b, mask):
+            return None
+        return ra.block_attention_backward(grad_out[..., a, :], q[..., a, :], k[..., b, :], v[..., b, :],
+                                           out[..., a, :], lse[..., a], a, b, mask)[which]
+
+    # overwritten instead of added: what is left is the share of the last visible block of the ring's order
+    if name == "dq":
+        shares = [share(rank, (rank - s) % n) for s in range(n)]
+    else:
+        shares = [share((rank + s) % n, rank) for s in range(n)]  # the ranks block `rank` visits, in order
+    shares = [x for x in shares if x is not None]
+    if len(shares) > 1:
+        candidates.append((shares[-1], f"it is only the last block's share: each block's {name} was assigned, not "
+                                       f"added (+=) to the running {'dq' if name == 'dq' else 'dkv'}"))
     if name in ("dk", "dv"):
+        other = "dv" if name == "dk" else "dk"
+        candidates.append((_other_grad(q, k, v, grad_out, mask, other)[..., mine, :],
+                           f"it is {other}: ra.block_attention_backward returns (dq, dk, dv), in that order"))
         following = (rank + 1) % n
         candidates.append((full_grad[..., positions[following], :],
                            f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
                            f"the last step they travel once more, home to their owner"))
-        out, lse = ra.reference_attention(q, k, v, mask)
-        kept = torch.zeros_like(k[..., mine, :])  # every block's share added into one buffer that never moves
-        for theirs in positions:
-            if ra.visible(mine, theirs, mask):
-                kept += ra.block_attention_backward(
-                    grad_out[..., mine, :], q[..., mine, :], k[..., theirs, :], v[..., theirs, :],
-                    out[..., mine, :], lse[..., mine], mine, theirs, mask)[1 if name == "dk" else 2]
+        # every block's share added into one buffer that never moves
+        kept = sum(x for j in range(n) if (x := share(rank, j)) is not None)
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
                                  "block came from, so the gradients travel the ring with their block, every rank "
                                  "adding its share, and arrive home after N steps"))
