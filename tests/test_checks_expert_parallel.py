@@ -113,6 +113,14 @@ A2A_MISTAKES = {
         "        received = list(out.split(output_splits))\n"
         "        dist.all_to_all(received, list(x.split(input_splits)))\n"
         "        out = torch.cat(received)\n", "one size only"),
+    # issue 43 (found by students): the group left out, which a check on all ranks cannot see
+    "backward on all ranks, not the group": (
+        "ctx.input_splits, ctx.output_splits, group=ctx.group)", "ctx.input_splits, ctx.output_splits)",
+        "on the groups \\[\\[0\\], \\[1\\]\\]\\): RuntimeError: Number of tensor splits not equal to group "
+        "size: the backward's all-to-all ran on all ranks, not on the group .* pass group=ctx.group"),
+    "forward on all ranks, not the group": (
+        "output_splits, input_splits, group=group)\n", "output_splits, input_splits)\n",
+        "the all-to-all ran on all ranks, not on `group`: pass group=group"),
     "backward's gradient zeroed": ("        return grad_x, None, None, None\n",
                                    "        return torch.zeros_like(grad_x), None, None, None\n", "it is zero"),
 }
@@ -159,6 +167,10 @@ CAPACITY_MISTAKES = {
                + Y_CAP.replace("weights.flatten()", "w"), "renormalised after the drop"),
     "weights not applied": (Y_CAP, Y_CAP.replace("weights.flatten()[kept, None] * ", ""),
                             "combine weights were not applied"),
+    # issue 43 (found by students): a flat mask was told "not the same pairs" before its shape
+    "kept returned flat": ("    return y, kept.view(index.shape)\n", "    return y, kept\n",
+                           "`kept` has shape \\(24,\\) on the ranks, expected \\(12, 2\\): the \\(tokens, top_k\\) "
+                           "bool mask"),
     "received rows read expert-major": (
         "    received = all_to_all(buffer, splits, splits).view(world_size, per_rank, capacity, dim)\n",
         "    received = all_to_all(buffer, splits, splits).view(per_rank, world_size, capacity, dim).transpose(0, 1)\n",
@@ -196,6 +208,11 @@ DROPLESS_MISTAKES = {
         "    returned = all_to_all(out, output_splits, input_splits, group)\n", "go back with the splits swapped"),
     "weights not applied": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None] * ", ""),
                             "combine weights were not applied"),
+    # issue 43's pattern: top-1's weights are all 1, top-2's show it
+    "weights not permuted with their tokens": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None]",
+                                                                      "weights.flatten()[:, None]"),
+                                               "top-2: the output differs .* weights were not permuted with their "
+                                               "tokens"),
     "splits summed over the wrong axis": (
         "    input_splits = counts.view(world_size, per_rank).sum(1).tolist()\n",
         "    input_splits = counts.view(per_rank, world_size).sum(0).tolist()\n", "E/N consecutive experts"),
@@ -216,6 +233,14 @@ def test_dropless_mistakes_are_named(mistake):
 def test_dropless_with_an_unstable_sort_passes():
     # the order within an expert does not matter without a capacity: each result goes back to its own pair
     other = wrong("    order = flat.argsort(stable=True)", "    order = flat.argsort(descending=True).flip(0)")
+    check_dropless_dispatch(other.dropless_dispatch, 2, **SMALL)
+
+
+@pytest.mark.parametrize("received", ["received_counts.view(world_size, per_rank).sum(0).tolist()",
+                                      "list(received_counts.view(world_size, per_rank).sum(0))"])
+def test_dropless_counts_as_a_list_pass(received):
+    """Issue 43 (found by students): a list of ints, or of 0-d tensors, crashed the check itself."""
+    other = wrong("    return y, received_counts.view(world_size, per_rank).sum(0)\n", f"    return y, {received}\n")
     check_dropless_dispatch(other.dropless_dispatch, 2, **SMALL)
 
 
