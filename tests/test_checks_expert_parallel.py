@@ -171,6 +171,9 @@ CAPACITY_MISTAKES = {
     "kept returned flat": ("    return y, kept.view(index.shape)\n", "    return y, kept\n",
                            "`kept` has shape \\(24,\\) on the ranks, expected \\(12, 2\\): the \\(tokens, top_k\\) "
                            "bool mask"),
+    # issue 43's pattern: a combine that overwrites instead of adds
+    "combine overwrites": (Y_CAP, Y_CAP.replace(".index_add(0, tokens[kept], ", ".index_put((tokens[kept],), "),
+                           "top-2, capacity .*: each token kept one of its results only"),
     "received rows read expert-major": (
         "    received = all_to_all(buffer, splits, splits).view(world_size, per_rank, capacity, dim)\n",
         "    received = all_to_all(buffer, splits, splits).view(per_rank, world_size, capacity, dim).transpose(0, 1)\n",
@@ -208,6 +211,8 @@ DROPLESS_MISTAKES = {
         "    returned = all_to_all(out, output_splits, input_splits, group)\n", "go back with the splits swapped"),
     "weights not applied": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None] * ", ""),
                             "combine weights were not applied"),
+    "combine overwrites": (Y_DROP, Y_DROP.replace(".index_add(0, tokens[order], ", ".index_put((tokens[order],), "),
+                           "top-2: .*each token kept one of its results only"),
     # issue 43's pattern: top-1's weights are all 1, top-2's show it
     "weights not permuted with their tokens": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None]",
                                                                       "weights.flatten()[:, None]"),

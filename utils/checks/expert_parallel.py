@@ -239,6 +239,19 @@ def _kept_mistakes(index, num_experts, capacity, world_size):
     ]
 
 
+OVERWRITES = ("each token kept one of its results only: the combine wrote a token's results into y (y[tokens] = ..., "
+              "index_put, index_copy), so a token's later choice overwrote its earlier one; add them (index_add, or "
+              "index_put with accumulate=True): a token's output is the weighted sum over its top-k experts")
+
+
+def _last_only(index, weights, kept, by):
+    """The weights when each token keeps only the result written last: that of its last kept choice (pairs in token
+    order), or of its kept choice with the highest expert (pairs sorted by expert)."""
+    key = torch.arange(index.shape[1]).expand_as(index) if by == "choice" else index
+    key = torch.where(kept, key, -1)
+    return weights * (key == key.max(-1, keepdim=True).values) * kept
+
+
 def _unpermuted(index, weights):
     """The weights each (token, choice) pair gets when the results are put back in expert order (sorted by
     expert on each rank) but the weights are left in token order: pair order[i] gets weight i."""
@@ -307,6 +320,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                                      "choice's share is lost (the residual carries the token)"),
                       (torch.ones_like(weights), "the combine weights were not applied: each result is multiplied "
                                                  "by its pair's weight before it is added to its token"),
+                      *[(_last_only(index, weights, kept, by), OVERWRITES) for by in ("choice", "expert")],
                       (_unpermuted(index, weights), "the combine weights were not permuted with their tokens: the "
                                                     "results come back in expert order, so take the weights in that "
                                                     "order too (weights.flatten()[order]); with top-1 every weight "
