@@ -264,6 +264,11 @@ SYNC_MISTAKES = {
     "experts averaged over the data group": (
         DIVIDE, "        p.grad /= dist.get_world_size(data_group) if name.startswith('experts.') else world_size\n",
         "times too large, the expert-parallel size"),
+    # issue 43's pattern: on 2 x 2 the two group sizes are equal, so the hint names both
+    "experts divided by the expert-parallel size": (
+        DIVIDE, "        p.grad /= world_size // dist.get_world_size(data_group) if name.startswith('experts.') "
+                "else world_size\n", "not by the data-parallel size \\(or the expert-parallel size: on this mesh "
+                                      "both are 2\\)", 4),
     "experts all-reduced over all ranks": (REDUCE, "        dist.all_reduce(p.grad)\n", "other experts' gradients"),
     "router on the data group only": (REDUCE, "        dist.all_reduce(p.grad, group=data_group)\n",
                                       "data-parallel group only", 4),  # 2 x 2: at 2 ranks its data group is itself

@@ -458,10 +458,14 @@ def _mesh_hint(name, got, want, result, results, data_parallel, expert_parallel)
     if name.startswith("experts."):
         copies = [r["local"][name] for r in results if name in r["local"]]
         total = sum(copies)
+        both = (f"the data-parallel size (or the expert-parallel size: on this mesh both are {data_parallel})"
+                if data_parallel == expert_parallel else "the data-parallel size")
         candidates = [(total / data_parallel, f"it is {expert_parallel} times too large, the expert-parallel size: "
                                               f"the sum over its {data_parallel} copies must be divided by all {n} "
-                                              f"ranks (each rank's loss is 1/{n} of the batch's), not by the "
-                                              f"data-parallel size"),
+                                              f"ranks (each rank's loss is 1/{n} of the batch's), not by {both}"),
+                      (total / expert_parallel, f"it is {data_parallel} times too large, the data-parallel size: the "
+                                                f"sum over its {data_parallel} copies was divided by the "
+                                                f"expert-parallel size, {expert_parallel}; divide by all {n} ranks"),
                       (total, f"it is the sum over its copies: divide by the {n} ranks"),
                       (result["local"][name] / n, "it is this rank's own gradient: sum it over the ranks holding a "
                                                   "copy of this expert (the data-parallel group)"),
