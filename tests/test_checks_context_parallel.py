@@ -311,6 +311,10 @@ TRAIN_MISTAKES = {
                         "RoPE rotated each token by its position within its rank's chunk"),
     "gradients not averaged": (AVERAGE, "        pass\n", "differs between the ranks"),
     "summed, not averaged": (AVERAGE, "        dist.all_reduce(p.grad)\n", "times the whole batch's"),
+    # a library error inside the student's function, named (issue 43)
+    "targets not sliced": (FORWARD, FORWARD.replace("targets[:, mine])", "targets)"),
+                           "failed: ValueError: Expected input batch_size .*: the logits and the targets cover "
+                           "different tokens"),
     "no loss returned": ("    return loss\n    ### END SOLUTION", "    ### END SOLUTION",
                          "must return this rank's loss"),
 }

@@ -16,7 +16,7 @@ from utils import ring_attention as ra
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_diff, spawn_explaining_stalls
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import runnable_world_sizes
+from utils.launch import RankError, runnable_world_sizes
 from utils.transformer import (
     TransformerSizes,
     build_transformer,
@@ -628,6 +628,14 @@ def _gradient_hint(runs, want, n):
     return None
 
 
+TRAIN_ERRORS = [  # (words in a rank's error, what in forward_backward causes it)
+    ("to match target batch_size", "the logits and the targets cover different tokens: take this rank's tokens of "
+                                   "both, inputs[:, mine] and targets[:, mine], mine = positions[rank]"),
+    ("only for scalar outputs", "backward was called on a tensor of many values: the loss is one number, lm_loss of "
+                                "this rank's logits and targets"),
+]
+
+
 def check_context_parallel_training(forward_backward, ring_attention, world_size, world_sizes=WORLD_SIZES,
                                     timeout=CHECK_TIMEOUT):
     """The transformer trained with context parallelism (ring attention, contiguous and zigzag chunks) equals the
@@ -639,10 +647,16 @@ def check_context_parallel_training(forward_backward, ring_attention, world_size
         for layout, positions in [("contiguous", ra.chunk_positions(TRAIN_SIZES.seq_len, n)),
                                   ("zigzag", zigzag_reference(TRAIN_SIZES.seq_len, n))]:
             case = f"{n} ranks, {layout} chunks"
-            runs = spawn_explaining_stalls(
-                train_main, n, forward_backward, ring_attention, positions, TRAIN_SIZES, TRAIN_STEPS,
-                timeout=timeout, hint="training stalls: every rank must make the same collectives in the same order "
-                                      "(the ring's, then one all-reduce per parameter)")
+            try:
+                runs = spawn_explaining_stalls(
+                    train_main, n, forward_backward, ring_attention, positions, TRAIN_SIZES, TRAIN_STEPS,
+                    timeout=timeout, hint="training stalls: every rank must make the same collectives in the same "
+                                          "order (the ring's, then one all-reduce per parameter)")
+            except RankError as e:  # an error inside the student's function: what in it caused it
+                hint = next((h for words, h in TRAIN_ERRORS if words in str(e)), None)
+                if hint is None:
+                    raise
+                raise AssertionError(f"{case}: {e.args[0].splitlines()[0]}: {hint}") from None
             losses = [r[1] for r in runs]
             if any(not isinstance(loss, float) for run in losses for loss in run):
                 raise AssertionError(f"{case}: forward_backward must return this rank's loss (a one-element tensor)")
