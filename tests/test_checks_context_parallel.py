@@ -214,6 +214,17 @@ def test_ring_mistakes_are_named(mistake):
         check_ring_attention(solution(NAME, replace=edits).ring_attention_forward, 3, world_sizes=())
 
 
+def test_ring_written_another_way_passes():
+    # the running result started at out 0, lse -inf (nothing seen yet), every visible block merged into it
+    other = solution(NAME, replace={
+        "    kv = torch.stack([k, v])  # one message per step\n    out = lse = None\n":
+        "    kv = torch.stack([k, v])  # one message per step\n"
+        "    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float('-inf'), dtype=q.dtype)\n",
+        RING_BLOCK + "            out, lse = block if out is None else merge(out, lse, *block)\n":
+        RING_BLOCK + "            out, lse = merge(out, lse, *block)\n"})
+    check_ring_attention(other.ring_attention_forward, 3, world_sizes=())
+
+
 def test_a_ring_sending_to_the_wrong_neighbour_stops_in_seconds_naming_the_ring():
     stuck = wrong(START, START.replace("irecv(incoming, (rank - 1)", "irecv(incoming, (rank + 1)"))
     with pytest.raises(TimeoutError, match="the ring stalls"):
@@ -248,6 +259,13 @@ BACKWARD_MISTAKES = {
     "hidden blocks computed": ("        if ra.visible(positions[rank], positions[source], mask):\n            block_dq",
                                "        if True:\n            block_dq", "every key comes after every query"),
 }
+
+
+def test_ring_backward_written_another_way_passes():
+    # the block's shares added to dk and dv in place, one at a time
+    other = wrong("            dkv += torch.stack([block_dk, block_dv])\n",
+                  "            dkv[0] += block_dk\n            dkv[1] += block_dv\n")
+    check_ring_attention_backward(SOLUTION.ring_attention_forward, other.ring_attention_backward, 3, world_sizes=())
 
 
 @pytest.mark.parametrize("mistake", BACKWARD_MISTAKES)
