@@ -189,14 +189,14 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
         "    dist.all_gather([torch.empty_like(kv) for _ in range(world_size)], kv)\n", "calls dist.all_gather"),
     # issue 43's patterns: a direction right only on 2 ranks; a running lse that starts at 0
     "the block taken for rank + step's": (
-        "        source = (rank - step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
-        "            block = ra.block_attention(",
-        "        source = (rank + step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
-        "            block = ra.block_attention(", "the source was taken as rank \\(rank \\+ s\\) mod N"),
+        "        source = (rank - step) % world_size\n" + RING_SKIP + RING_BLOCK,
+        "        source = (rank + step) % world_size\n" + RING_SKIP + RING_BLOCK,
+        "the source was taken as rank \\(rank \\+ s\\) mod N"),
     "running lse started at 0": (
         "    kv = torch.stack([k, v])  # one message per step\n    out = lse = None\n",
         "    kv = torch.stack([k, v])  # one message per step\n"
-        "    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)\n", "the running lse started at 0"),
+        "    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)\n",
+        "the running lse started at 0"),
     "a transfer after the last step too": (
         "        last = step == world_size - 1\n        if not last:\n            incoming = torch.empty_like(kv)\n"
         + START, "        last = False\n        if not last:\n            incoming = torch.empty_like(kv)\n" + START,

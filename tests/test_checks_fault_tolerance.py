@@ -212,7 +212,8 @@ TAIL_CUT_FIRST = [
 ]
 SAMPLER += [(replace, "drop_last=True\\), epoch 0: .*the rows were cut to a multiple of num_replicas before the "
                       "shuffle, so the same rows are dropped in every epoch \\(of \\d+ rows, rows? .* never yielded "
-                      "in 20 epochs\\): shuffle all the rows, then cut the permutation's tail") for replace in TAIL_CUT_FIRST]
+                      "in 20 epochs\\): shuffle all the rows, then cut the permutation's tail")
+            for replace in TAIL_CUT_FIRST]
 
 
 def test_every_row_over_epochs_is_checked_beside_distributed_sampler():

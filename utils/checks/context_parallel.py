@@ -45,7 +45,8 @@ BOTH_UNSEEN = "queries that see no key of either block"
 def _same_attention(got, want):
     """close, where -inf (a query that sees no key) must be -inf too: out 0, lse -inf."""
     hidden = want == float("-inf")
-    return bool((got[hidden] == float("-inf")).all()) and close(got.masked_fill(hidden, 0), want.masked_fill(hidden, 0))
+    unseen_alike = bool((got[hidden] == float("-inf")).all())
+    return unseen_alike and close(got.masked_fill(hidden, 0), want.masked_fill(hidden, 0))
 
 
 def merge_cases():
@@ -443,7 +444,8 @@ def _ring_backward_checked(forward, backward, positions, mask, timeout):
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
                                      f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
             if not close(value, want):
-                hint = _backward_hint(name, value, leaf.grad, rank, positions, q, k, v, grad_out, mask)
+                full_grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in leaves)))
+                hint = _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, mask)
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from autograd's "
                                      f"through plain attention by up to {max_abs_diff(value, want):.3g}"
                                      + (f": {hint}" if hint else ""))
@@ -475,15 +477,9 @@ def check_ring_attention_backward(ring_attention_forward, ring_attention_backwar
           f"key/value gradients home after N steps")
 
 
-def _other_grad(q, k, v, grad_out, mask, name):
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ra.reference_attention(*leaves, mask)[0].backward(grad_out)
-    return leaves[{"dq": 0, "dk": 1, "dv": 2}[name]].grad
-
-
-def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, mask):
-    """The confirmed reason a rank's dq, dk or dv is wrong, or None."""
-    candidates, n, mine = [], len(positions), positions[rank]
+def _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, mask):
+    """The confirmed reason a rank's dq, dk or dv is wrong, or None. full_grads: autograd's, by name."""
+    candidates, n, mine, full_grad = [], len(positions), positions[rank], full_grads[name]
     out, lse = ra.reference_attention(q, k, v, mask)
     which = {"dq": 0, "dk": 1, "dv": 2}[name]
 
@@ -506,7 +502,7 @@ def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, m
                                        f"added (+=) to the running {'dq' if name == 'dq' else 'dkv'}"))
     if name in ("dk", "dv"):
         other = "dv" if name == "dk" else "dk"
-        candidates.append((_other_grad(q, k, v, grad_out, mask, other)[..., mine, :],
+        candidates.append((full_grads[other][..., mine, :],
                            f"it is {other}: ra.block_attention_backward returns (dq, dk, dv), in that order"))
         following = (rank + 1) % n
         candidates.append((full_grad[..., positions[following], :],
