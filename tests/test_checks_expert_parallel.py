@@ -24,6 +24,12 @@ def wrong(old, new):
     return solution(NAME, replace={old: new})
 
 
+def cases(catalogue, slow=()):
+    """The catalogue's names, those in `slow` marked slow: they spawn again (about 1 s each) what another test
+    already shows with the same hint; pytest -m slow runs them."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in catalogue]
+
+
 @pytest.mark.slow  # the notebook's own run (nbval) makes these calls
 def test_the_solution_passes(capsys):
     check_all_to_all(SOLUTION.all_to_all, 4)
@@ -126,7 +132,7 @@ A2A_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", A2A_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(A2A_MISTAKES, slow={"forward on all ranks, not the group"}))
 def test_all_to_all_mistakes_are_named(mistake):
     old, new, hint = A2A_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
@@ -228,7 +234,7 @@ DROPLESS_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", DROPLESS_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(DROPLESS_MISTAKES, slow={"combine overwrites"}))
 def test_dropless_mistakes_are_named(mistake):
     old, new, hint = DROPLESS_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
@@ -242,7 +248,8 @@ def test_dropless_with_an_unstable_sort_passes():
 
 
 @pytest.mark.parametrize("received", ["received_counts.view(world_size, per_rank).sum(0).tolist()",
-                                      "list(received_counts.view(world_size, per_rank).sum(0))"])
+                                      pytest.param("list(received_counts.view(world_size, per_rank).sum(0))",
+                                                   marks=pytest.mark.slow)])  # 0-d tensors: 1 s more
 def test_dropless_counts_as_a_list_pass(received):
     """Issue 43 (found by students): a list of ints, or of 0-d tensors, crashed the check itself."""
     other = wrong("    return y, received_counts.view(world_size, per_rank).sum(0)\n", f"    return y, {received}\n")
@@ -277,7 +284,7 @@ SYNC_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", SYNC_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(SYNC_MISTAKES, slow={"experts divided by the expert-parallel size"}))
 def test_expert_data_parallel_mistakes_are_named(mistake):
     old, new, hint, *world_size = SYNC_MISTAKES[mistake]
     n = world_size[0] if world_size else 2
