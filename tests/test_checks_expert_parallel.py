@@ -24,6 +24,12 @@ def wrong(old, new):
     return solution(NAME, replace={old: new})
 
 
+def cases(catalogue, slow=()):
+    """The catalogue's names, those in `slow` marked slow: they spawn again (about 1 s each) what another test
+    already shows with the same hint; pytest -m slow runs them."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in catalogue]
+
+
 @pytest.mark.slow  # the notebook's own run (nbval) makes these calls
 def test_the_solution_passes(capsys):
     check_all_to_all(SOLUTION.all_to_all, 4)
@@ -113,12 +119,20 @@ A2A_MISTAKES = {
         "        received = list(out.split(output_splits))\n"
         "        dist.all_to_all(received, list(x.split(input_splits)))\n"
         "        out = torch.cat(received)\n", "one size only"),
+    # issue 43 (found by students): the group left out, which a check on all ranks cannot see
+    "backward on all ranks, not the group": (
+        "ctx.input_splits, ctx.output_splits, group=ctx.group)", "ctx.input_splits, ctx.output_splits)",
+        "on the groups \\[\\[0\\], \\[1\\]\\]\\): RuntimeError: Number of tensor splits not equal to group "
+        "size: the backward's all-to-all ran on all ranks, not on the group .* pass group=ctx.group"),
+    "forward on all ranks, not the group": (
+        "output_splits, input_splits, group=group)\n", "output_splits, input_splits)\n",
+        "the all-to-all ran on all ranks, not on `group`: pass group=group"),
     "backward's gradient zeroed": ("        return grad_x, None, None, None\n",
                                    "        return torch.zeros_like(grad_x), None, None, None\n", "it is zero"),
 }
 
 
-@pytest.mark.parametrize("mistake", A2A_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(A2A_MISTAKES, slow={"forward on all ranks, not the group"}))
 def test_all_to_all_mistakes_are_named(mistake):
     old, new, hint = A2A_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
@@ -159,6 +173,13 @@ CAPACITY_MISTAKES = {
                + Y_CAP.replace("weights.flatten()", "w"), "renormalised after the drop"),
     "weights not applied": (Y_CAP, Y_CAP.replace("weights.flatten()[kept, None] * ", ""),
                             "combine weights were not applied"),
+    # issue 43 (found by students): a flat mask was told "not the same pairs" before its shape
+    "kept returned flat": ("    return y, kept.view(index.shape)\n", "    return y, kept\n",
+                           "`kept` has shape \\(24,\\) on the ranks, expected \\(12, 2\\): the \\(tokens, top_k\\) "
+                           "bool mask"),
+    # issue 43's pattern: a combine that overwrites instead of adds
+    "combine overwrites": (Y_CAP, Y_CAP.replace(".index_add(0, tokens[kept], ", ".index_put((tokens[kept],), "),
+                           "top-2, capacity .*: each token kept one of its results only"),
     "received rows read expert-major": (
         "    received = all_to_all(buffer, splits, splits).view(world_size, per_rank, capacity, dim)\n",
         "    received = all_to_all(buffer, splits, splits).view(per_rank, world_size, capacity, dim).transpose(0, 1)\n",
@@ -196,6 +217,13 @@ DROPLESS_MISTAKES = {
         "    returned = all_to_all(out, output_splits, input_splits, group)\n", "go back with the splits swapped"),
     "weights not applied": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None] * ", ""),
                             "combine weights were not applied"),
+    "combine overwrites": (Y_DROP, Y_DROP.replace(".index_add(0, tokens[order], ", ".index_put((tokens[order],), "),
+                           "top-2: .*each token kept one of its results only"),
+    # issue 43's pattern: top-1's weights are all 1, top-2's show it
+    "weights not permuted with their tokens": (Y_DROP, Y_DROP.replace("weights.flatten()[order, None]",
+                                                                      "weights.flatten()[:, None]"),
+                                               "top-2: the output differs .* weights were not permuted with their "
+                                               "tokens"),
     "splits summed over the wrong axis": (
         "    input_splits = counts.view(world_size, per_rank).sum(1).tolist()\n",
         "    input_splits = counts.view(per_rank, world_size).sum(0).tolist()\n", "E/N consecutive experts"),
@@ -206,7 +234,7 @@ DROPLESS_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", DROPLESS_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(DROPLESS_MISTAKES, slow={"combine overwrites"}))
 def test_dropless_mistakes_are_named(mistake):
     old, new, hint = DROPLESS_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
@@ -216,6 +244,15 @@ def test_dropless_mistakes_are_named(mistake):
 def test_dropless_with_an_unstable_sort_passes():
     # the order within an expert does not matter without a capacity: each result goes back to its own pair
     other = wrong("    order = flat.argsort(stable=True)", "    order = flat.argsort(descending=True).flip(0)")
+    check_dropless_dispatch(other.dropless_dispatch, 2, **SMALL)
+
+
+@pytest.mark.parametrize("received", ["received_counts.view(world_size, per_rank).sum(0).tolist()",
+                                      pytest.param("list(received_counts.view(world_size, per_rank).sum(0))",
+                                                   marks=pytest.mark.slow)])  # 0-d tensors: 1 s more
+def test_dropless_counts_as_a_list_pass(received):
+    """Issue 43 (found by students): a list of ints, or of 0-d tensors, crashed the check itself."""
+    other = wrong("    return y, received_counts.view(world_size, per_rank).sum(0)\n", f"    return y, {received}\n")
     check_dropless_dispatch(other.dropless_dispatch, 2, **SMALL)
 
 
@@ -234,6 +271,11 @@ SYNC_MISTAKES = {
     "experts averaged over the data group": (
         DIVIDE, "        p.grad /= dist.get_world_size(data_group) if name.startswith('experts.') else world_size\n",
         "times too large, the expert-parallel size"),
+    # issue 43's pattern: on 2 x 2 the two group sizes are equal, so the hint names both
+    "experts divided by the expert-parallel size": (
+        DIVIDE, "        p.grad /= world_size // dist.get_world_size(data_group) if name.startswith('experts.') "
+                "else world_size\n", "not by the data-parallel size \\(or the expert-parallel size: on this mesh "
+                                      "both are 2\\)", 4),
     "experts all-reduced over all ranks": (REDUCE, "        dist.all_reduce(p.grad)\n", "other experts' gradients"),
     "router on the data group only": (REDUCE, "        dist.all_reduce(p.grad, group=data_group)\n",
                                       "data-parallel group only", 4),  # 2 x 2: at 2 ranks its data group is itself
@@ -242,7 +284,7 @@ SYNC_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", SYNC_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(SYNC_MISTAKES, slow={"experts divided by the expert-parallel size"}))
 def test_expert_data_parallel_mistakes_are_named(mistake):
     old, new, hint, *world_size = SYNC_MISTAKES[mistake]
     n = world_size[0] if world_size else 2

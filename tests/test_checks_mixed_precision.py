@@ -253,6 +253,13 @@ CATALOGUE = {
                       "        out.backward(grad_output)\n"
                       "        grads = [x.grad, *[p.grad for p in ctx.block.parameters()]]\n"},
         "layer 0's weight gradient is twice the plain run's: it is counted twice"),
+    # issue 43: fp16 to 1e-6 let this through (7e-8 relative): the small gradients underflow in fp16
+    "unscales in fp16, before the cast to fp32": (
+        "step", {"    for low, p in zip(model.parameters(), master.parameters()):\n" + GRADS + "    " + UNSCALE:
+                 "    found_inf = False if scaler is None else scaler.unscale_(model.parameters())\n"
+                 "    for low, p in zip(model.parameters(), master.parameters()):\n" + GRADS},
+        "fp16 with a scaler from 65536: the gradients were unscaled in fp16, before the cast to fp32: .* underflow .*"
+        "cast the gradients to fp32 first, then unscale"),
     "gradients returned in the wrong order": ("recompute", {RETURN: "        return (None, *grads[1:], grads[0])\n"},
                                               "return the gradients in the order of forward's inputs"),
 }

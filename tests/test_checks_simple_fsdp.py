@@ -306,6 +306,14 @@ REDISTRIBUTE += [
      "and every value of it is a float32: it was cast to float32 on the way"),
 ]
 
+# issue 43: rows // N rows a rank (floor), not torch.chunk's ceil: the last rows are never handed out
+REDISTRIBUTE += [
+    ({R_TO_SHARD: "        f = shape[0] // world_size\n        return local[rank * f:(rank + 1) * f].clone()\n"},
+     "Replicate\\(\\) -> Shard\\(0\\) of shape \\(5, 3\\) on rank 0 of 2: wrong local tensor; it has 2 rows, 3 "
+     "expected: Shard\\(0\\) gives each rank ceil\\(rows / N\\) = 3 rows, as torch.chunk does .* not rows // N = 2: "
+     "with 2 rows a rank, row 4 of 5 was never handed out"),
+]
+
 RESHARD = [
     # every saved tensor packed as a gathered weight's source, the input and activations too
     ({"    if source is None:\n        return t\n    return source, t.size()": "    return source, t.size()"},

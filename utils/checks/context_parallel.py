@@ -16,7 +16,7 @@ from utils import ring_attention as ra
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_diff, spawn_explaining_stalls
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import runnable_world_sizes
+from utils.launch import RankError, runnable_world_sizes
 from utils.transformer import (
     TransformerSizes,
     build_transformer,
@@ -39,15 +39,27 @@ def _where(got, want, dim):
 
 # ---------------------------------------------------------------- the merge
 
+BOTH_UNSEEN = "queries that see no key of either block"
+
+
+def _same_attention(got, want):
+    """close, where -inf (a query that sees no key) must be -inf too: out 0, lse -inf."""
+    hidden = want == float("-inf")
+    unseen_alike = bool((got[hidden] == float("-inf")).all())
+    return unseen_alike and close(got.masked_fill(hidden, 0), want.masked_fill(hidden, 0))
+
+
 def merge_cases():
     """(name, out_a, lse_a, out_b, lse_b, want_out, want_lse): two blocks of keys of one set of queries, merged."""
     cases = []
     for name, scale, mask_b in [("ordinary scores", 1.0, False), ("scores near 1000 (exp overflows)", 20.0, False),
-                                ("a block no query sees", 1.0, True)]:
+                                ("a block no query sees", 1.0, True), (BOTH_UNSEEN, 1.0, True)]:
         q, k, v = ra.attention_inputs(2, 2, 5, 4, seed=11, scale=scale)
         k, v = k[..., :4, :], v[..., :4, :]
         q_positions, k_positions = torch.arange(5), torch.arange(4)
-        a = ra.block_attention(q, k[..., :3, :], v[..., :3, :], q_positions, k_positions[:3], "none")
+        # in the last case queries 0-2 see no key of the first block either (its keys are at 3-5): lse -inf twice
+        shift, mask_a = (3, "causal") if name == BOTH_UNSEEN else (0, "none")
+        a = ra.block_attention(q, k[..., :3, :], v[..., :3, :], q_positions, k_positions[:3] + shift, mask_a)
         if mask_b:  # the second block's keys come after every query: it contributes nothing
             b = ra.block_attention(q, k[..., 3:, :], v[..., 3:, :], q_positions, k_positions[3:] + 10, "causal")
             want = a
@@ -90,21 +102,25 @@ def check_merge(merge):
                 raise AssertionError(f"{name}: merge's {what} has shape {tuple(getattr(value, 'shape', ()))}, "
                                      f"expected {tuple(want.shape)} (out: (..., queries, head_dim), lse: "
                                      f"(..., queries))")
-            if close(value, want):
+            if _same_attention(value, want):
                 continue
-            if not torch.isfinite(value).all():
+            if value.isnan().any() or (value.isinf() & (want != float("-inf"))).any():
                 raise AssertionError(
                     f"{name}: merge's {what} holds inf or NaN. " + (
                         "Exponentials of scores or lse's themselves overflow here: exponentiate differences "
                         "(exp(lse_block - lse_merged)), which are never above 0" if "1000" in name else
+                        "A query that sees no key of either block has lse -inf on both sides: the merged lse is "
+                        "-inf, so exp(lse - lse_merged) is exp(-inf + inf) = NaN; its weights must come out 0 "
+                        "(out 0, lse -inf): subtract a finite shift, such as lse_merged clamped to the dtype's "
+                        "lowest value, so that exp(-inf - finite) = 0" if name == BOTH_UNSEEN else
                         "A block no query sees has out 0 and lse -inf: its weight must come out 0, not NaN "
                         "(torch.logaddexp handles -inf; exp(-inf - finite) is 0)"))
             hint = confirmed(value, [(v, h) for v, which, h in _merge_mistakes(out_a, lse_a, out_b, lse_b)
                                       if which == what])
             raise AssertionError(f"{name}: merge's {what} differs from attention over both blocks by up to "
                                  f"{max_abs_diff(value, want):.3g}" + (f": {hint}" if hint else ""))
-    print("merge: two blocks of keys merge into attention over both, also with scores near 1000 and with a block "
-          "no query sees")
+    print("merge: two blocks of keys merge into attention over both, also with scores near 1000, with a block no "
+          "query sees, and with queries that see no key of either (out 0, lse -inf)")
 
 
 # ---------------------------------------------------------------- attention in blocks, one process
@@ -137,12 +153,18 @@ def score_entries(calls, mask):
     return total, hidden
 
 
-def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions):
+def _blockwise(q, k, v, block_size, mask, key_blocks, masked_positions, carried=False, lse_from=None):
     """Attention in blocks as a mistake computes it: `key_blocks(q_pos, k_pos)` says which blocks of keys a block of
-    queries merges, `masked_positions(p)` which positions the mask is given."""
+    queries merges, `masked_positions(p)` which positions the mask is given; `carried`: the running (out, lse) not
+    reset for each block of queries; `lse_from`: the running lse starts at this value (out at 0), not at the first
+    block's."""
     positions, outs = torch.arange(q.shape[-2]), []
+    out = lse = None
     for q_pos in positions.split(block_size):
-        out = lse = None
+        if not carried:
+            out = lse = None
+        if lse_from is not None:
+            out, lse = torch.zeros_like(q[..., q_pos, :]), torch.full(q[..., q_pos, 0].shape, lse_from, dtype=q.dtype)
         for k_pos in positions.split(block_size):
             if key_blocks(q_pos, k_pos):
                 block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :],
@@ -162,7 +184,17 @@ def _blockwise_mistakes(q, k, v, block_size, mask):
         (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p - p[0]),
          "the blocks were masked with positions counted from each block's start: a block's queries and keys keep "
          "their global positions (the mask compares them)"),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p, carried=True),
+         CARRIED),
+        (_blockwise(q, k, v, block_size, mask, lambda qp, kp: ra.visible(qp, kp, mask), lambda p: p, lse_from=0.0),
+         "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more in "
+         "its denominator; start from the first block's (out, lse), or from out 0 and lse -inf (a block no key of "
+         "which is seen)"),
     ]
+
+
+CARRIED = ("the running (out, lse) was not reset for each block of queries: a block of queries merged the blocks of "
+           "keys of the blocks of queries before it too; start each block of queries afresh (out = lse = None)")
 
 
 def check_blockwise_attention(blockwise_attention):
@@ -175,8 +207,15 @@ def check_blockwise_attention(blockwise_attention):
         for block_size in (4, 5, 1, 12, 16):
             case = f"block_size {block_size}, mask {mask!r}, sequence 12"
             calls = []
-            with traced_blocks(calls):
-                got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
+            try:
+                with traced_blocks(calls):
+                    got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
+            except RuntimeError as e:  # a library error inside the student's function: what in it caused it
+                raise AssertionError(f"{case}: blockwise_attention raised RuntimeError: {str(e).splitlines()[0]}" + (
+                    f": {CARRIED}, and this block of queries has {12 % block_size} where the one before had "
+                    f"{block_size}" if 12 % block_size and "size of tensor" in str(e) else
+                    ": each block of queries (q[..., q_pos, :]) meets each block of keys (k[..., k_pos, :]); merge "
+                    "pieces of the same queries only")) from e
             if not (isinstance(got, tuple) and len(got) == 2):
                 raise AssertionError(f"{case}: blockwise_attention must return (out, lse), got {type(got).__name__}")
             got_out, got_lse = got
@@ -251,6 +290,8 @@ def _simulated_ring(q, k, v, positions, mask, variant):
     world_size, out_by_position = len(positions), torch.empty_like(q)
     for rank, mine in enumerate(positions):
         out = lse = None
+        if variant == "zero start":
+            out, lse = torch.zeros_like(q[..., mine, :]), torch.zeros(q[..., mine, 0].shape, dtype=q.dtype)
         for step in range(world_size):
             source = (rank - step) % world_size
             held = (rank + step) % world_size if variant == "other direction" else source
@@ -275,8 +316,14 @@ RING_MISTAKES = {
                                 "came from rank (rank - s) mod N and has that rank's positions",
     "own positions": "every block was masked with this rank's own positions: the block held at step s came from "
                      "rank (rank - s) mod N and has that rank's positions",
+    # a source computed as rank + s gives these very numbers (the same pairs of a block and positions, merged in
+    # another order): the hint names both
     "other direction": "the blocks travel one way round the ring and their positions are taken for the other: "
-                       "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block",
+                       "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block; "
+                       "either the source was taken as rank (rank + s) mod N, or the blocks were sent to rank - 1 "
+                       "(on 2 ranks the two are the same rank, so only 3 or more show it)",
+    "zero start": "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more "
+                  "in its denominator; start from the first block's (out, lse)",
 }
 
 
@@ -397,7 +444,8 @@ def _ring_backward_checked(forward, backward, positions, mask, timeout):
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} has shape "
                                      f"{tuple(getattr(value, 'shape', ()))}, expected {tuple(want.shape)}")
             if not close(value, want):
-                hint = _backward_hint(name, value, leaf.grad, rank, positions, q, k, v, grad_out, mask)
+                full_grads = dict(zip(("dq", "dk", "dv"), (t.grad for t in leaves)))
+                hint = _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, mask)
                 raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s {name} differs from autograd's "
                                      f"through plain attention by up to {max_abs_diff(value, want):.3g}"
                                      + (f": {hint}" if hint else ""))
@@ -429,21 +477,39 @@ def check_ring_attention_backward(ring_attention_forward, ring_attention_backwar
           f"key/value gradients home after N steps")
 
 
-def _backward_hint(name, value, full_grad, rank, positions, q, k, v, grad_out, mask):
-    """The confirmed reason a rank's dq, dk or dv is wrong, or None."""
-    candidates, n, mine = [], len(positions), positions[rank]
+def _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, mask):
+    """The confirmed reason a rank's dq, dk or dv is wrong, or None. full_grads: autograd's, by name."""
+    candidates, n, mine, full_grad = [], len(positions), positions[rank], full_grads[name]
+    out, lse = ra.reference_attention(q, k, v, mask)
+    which = {"dq": 0, "dk": 1, "dv": 2}[name]
+
+    def share(r, j):
+        """Rank r's share of block j's (dq, dk, dv)[which], or None where r's queries see none of block j."""
+        a, b = positions[r], positions[j]
+        if not ra.visible(a, b, mask):
+            return None
+        return ra.block_attention_backward(grad_out[..., a, :], q[..., a, :], k[..., b, :], v[..., b, :],
+                                           out[..., a, :], lse[..., a], a, b, mask)[which]
+
+    # overwritten instead of added: what is left is the share of the last visible block of the ring's order
+    if name == "dq":
+        shares = [share(rank, (rank - s) % n) for s in range(n)]
+    else:
+        shares = [share((rank + s) % n, rank) for s in range(n)]  # the ranks block `rank` visits, in order
+    shares = [x for x in shares if x is not None]
+    if len(shares) > 1:
+        candidates.append((shares[-1], f"it is only the last block's share: each block's {name} was assigned, not "
+                                       f"added (+=) to the running {'dq' if name == 'dq' else 'dkv'}"))
     if name in ("dk", "dv"):
+        other = "dv" if name == "dk" else "dk"
+        candidates.append((full_grads[other][..., mine, :],
+                           f"it is {other}: ra.block_attention_backward returns (dq, dk, dv), in that order"))
         following = (rank + 1) % n
         candidates.append((full_grad[..., positions[following], :],
                            f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
                            f"the last step they travel once more, home to their owner"))
-        out, lse = ra.reference_attention(q, k, v, mask)
-        kept = torch.zeros_like(k[..., mine, :])  # every block's share added into one buffer that never moves
-        for theirs in positions:
-            if ra.visible(mine, theirs, mask):
-                kept += ra.block_attention_backward(
-                    grad_out[..., mine, :], q[..., mine, :], k[..., theirs, :], v[..., theirs, :],
-                    out[..., mine, :], lse[..., mine], mine, theirs, mask)[1 if name == "dk" else 2]
+        # every block's share added into one buffer that never moves
+        kept = sum(x for j in range(n) if (x := share(rank, j)) is not None)
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
                                  "block came from, so the gradients travel the ring with their block, every rank "
                                  "adding its share, and arrive home after N steps"))
@@ -558,6 +624,14 @@ def _gradient_hint(runs, want, n):
     return None
 
 
+TRAIN_ERRORS = [  # (words in a rank's error, what in forward_backward causes it)
+    ("to match target batch_size", "the logits and the targets cover different tokens: take this rank's tokens of "
+                                   "both, inputs[:, mine] and targets[:, mine], mine = positions[rank]"),
+    ("only for scalar outputs", "backward was called on a tensor of many values: the loss is one number, lm_loss of "
+                                "this rank's logits and targets"),
+]
+
+
 def check_context_parallel_training(forward_backward, ring_attention, world_size, world_sizes=WORLD_SIZES,
                                     timeout=CHECK_TIMEOUT):
     """The transformer trained with context parallelism (ring attention, contiguous and zigzag chunks) equals the
@@ -569,10 +643,16 @@ def check_context_parallel_training(forward_backward, ring_attention, world_size
         for layout, positions in [("contiguous", ra.chunk_positions(TRAIN_SIZES.seq_len, n)),
                                   ("zigzag", zigzag_reference(TRAIN_SIZES.seq_len, n))]:
             case = f"{n} ranks, {layout} chunks"
-            runs = spawn_explaining_stalls(
-                train_main, n, forward_backward, ring_attention, positions, TRAIN_SIZES, TRAIN_STEPS,
-                timeout=timeout, hint="training stalls: every rank must make the same collectives in the same order "
-                                      "(the ring's, then one all-reduce per parameter)")
+            try:
+                runs = spawn_explaining_stalls(
+                    train_main, n, forward_backward, ring_attention, positions, TRAIN_SIZES, TRAIN_STEPS,
+                    timeout=timeout, hint="training stalls: every rank must make the same collectives in the same "
+                                          "order (the ring's, then one all-reduce per parameter)")
+            except RankError as e:  # an error inside the student's function: what in it caused it
+                hint = next((h for words, h in TRAIN_ERRORS if words in str(e)), None)
+                if hint is None:
+                    raise
+                raise AssertionError(f"{case}: {e.args[0].splitlines()[0]}: {hint}") from None
             losses = [r[1] for r in runs]
             if any(not isinstance(loss, float) for run in losses for loss in run):
                 raise AssertionError(f"{case}: forward_backward must return this rank's loss (a one-element tensor)")

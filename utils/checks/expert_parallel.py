@@ -36,18 +36,32 @@ def split_table(world_size):
     return [[(3 * s + 2 * r + 1) % 5 if (s, r) != (0, 1) else 0 for r in range(world_size)] for s in range(world_size)]
 
 
+def subgroups(world_size):
+    """The ranks cut in two halves, [0, h) and [h, N) (h = ceil(N / 2)): groups smaller than the world."""
+    half = (world_size + 1) // 2
+    return [list(range(half)), list(range(half, world_size))]
+
+
+def _all_to_all_run(rank, world_size, fn, table):
+    """(y, x.grad) of fn on this rank (its place in the group) with the rows table[s][r]."""
+    input_splits, output_splits = table[rank], [table[s][rank] for s in range(world_size)]
+    x = seeded_randn((sum(input_splits), 3), seed=3, rank=rank).requires_grad_()
+    grad_y = seeded_randn((sum(output_splits), 3), seed=4, rank=rank)
+    y = fn(x, output_splits, input_splits)
+    (y * grad_y).sum().backward()
+    return y.detach(), x.grad
+
+
 def _all_to_all_main(rank, world_size, all_to_all, table):
     from torch.distributed._functional_collectives import all_to_all_single_autograd
-    input_splits, output_splits = table[rank], [table[s][rank] for s in range(world_size)]
-    x = seeded_randn((sum(input_splits), 3), seed=3, rank=rank)
-    grad_y = seeded_randn((sum(output_splits), 3), seed=4, rank=rank)
-    results = {}
-    for name, fn in [("yours", all_to_all), ("pytorch", lambda x, o, i: all_to_all_single_autograd(x, o, i,
-                                                                                                   dist.group.WORLD))]:
-        leaf = x.clone().requires_grad_()
-        y = fn(leaf, output_splits, input_splits)
-        (y * grad_y).sum().backward()
-        results[name] = (y.detach(), leaf.grad)
+    results = {name: _all_to_all_run(rank, world_size, fn, table) for name, fn in [
+        ("yours", all_to_all), ("pytorch", lambda x, o, i: all_to_all_single_autograd(x, o, i, dist.group.WORLD))]}
+    # on a group smaller than the world (section 6 passes one): every call, the backward's too, on that group
+    groups = [dist.new_group(ranks) for ranks in subgroups(world_size)]  # every rank creates every group
+    mine = next(i for i, ranks in enumerate(subgroups(world_size)) if rank in ranks)
+    members = subgroups(world_size)[mine]
+    results["subgroup"] = _all_to_all_run(members.index(rank), len(members), lambda x, o, i: all_to_all(
+        x, o, i, group=groups[mine]), split_table(len(members)))
     return results
 
 
@@ -63,6 +77,10 @@ def _all_to_all_reference(table):
 def _all_to_all_error_hint(e):
     text = str(e)
     backward = "in backward" in text
+    if "not equal to group size" in text:
+        return (("the backward's all-to-all ran on all ranks, not on the group the forward was given: keep the group "
+                 "in ctx and pass group=ctx.group to the reverse all-to-all") if backward else
+                "the all-to-all ran on all ranks, not on `group`: pass group=group to dist.all_to_all_single")
     if "incorrect number of gradients" in text:
         return ("backward returns one gradient per input of forward: the gradient of x, then None for each of the "
                 "two split lists")
@@ -82,7 +100,8 @@ def _all_to_all_error_hint(e):
 
 def check_all_to_all(all_to_all, world_size, world_sizes=WORLD_SIZES):
     """all_to_all(x, output_splits, input_splits): forward and backward equal every rank's rows put together in one
-    process and PyTorch's all_to_all_single_autograd, with uneven splits and a rank that sends a peer nothing."""
+    process and PyTorch's all_to_all_single_autograd, with uneven splits and a rank that sends a peer nothing; then
+    on two groups of half the ranks each, given as `group`: forward and backward must both run on it."""
     sizes = runnable_world_sizes(sorted({*world_sizes, world_size}))
     for n in sizes:
         table = split_table(n)
@@ -92,7 +111,8 @@ def check_all_to_all(all_to_all, world_size, world_sizes=WORLD_SIZES):
             hint = _all_to_all_error_hint(e)
             if hint is None:
                 raise
-            raise AssertionError(f"{n} ranks, rows sent from rank s to rank r {table}: {e.summary}: {hint}") from None
+            raise AssertionError(f"{n} ranks, rows sent from rank s to rank r {table} (then on the groups "
+                                 f"{subgroups(n)}): {e.summary}: {hint}") from None
         for rank, (result, (want_y, want_grad)) in enumerate(zip(results, _all_to_all_reference(table))):
             pt_y, pt_grad = result["pytorch"]
             if not (close(pt_y, want_y) and close(pt_grad, want_grad)):
@@ -112,9 +132,17 @@ def check_all_to_all(all_to_all, world_size, world_sizes=WORLD_SIZES):
                     hint = ": it is zero"
                 raise AssertionError(f"{case}: the gradient of x differs from each row's gradient sent back from the "
                                      f"rank that received the row (all_to_all_single_autograd's){hint}")
+        for members in subgroups(n):
+            for local, (want_y, want_grad) in enumerate(_all_to_all_reference(split_table(len(members)))):
+                y, grad = results[members[local]]["subgroup"]
+                if not (close(y, want_y) and close(grad, want_grad)):
+                    raise AssertionError(f"{n} ranks, on the group of ranks {members} (group=): rank "
+                                         f"{members[local]}'s {'output' if not close(y, want_y) else 'gradient of x'} "
+                                         f"differs from the rows sent within the group: every call, the backward's "
+                                         f"too, runs on the group given (group=group, and group=ctx.group)")
     print(f"all_to_all: forward and backward equal the rows put together in one process and PyTorch's "
           f"all_to_all_single_autograd on {', '.join(map(str, sizes))} ranks, uneven splits, a rank sending a peer "
-          f"nothing")
+          f"nothing; and on groups of half the ranks (group=)")
 
 
 # ---------------------------------------------------------------- dispatch
@@ -211,6 +239,29 @@ def _kept_mistakes(index, num_experts, capacity, world_size):
     ]
 
 
+OVERWRITES = ("each token kept one of its results only: the combine wrote a token's results into y (y[tokens] = ..., "
+              "index_put, index_copy), so a token's later choice overwrote its earlier one; add them (index_add, or "
+              "index_put with accumulate=True): a token's output is the weighted sum over its top-k experts")
+
+
+def _last_only(index, weights, kept, by):
+    """The weights when each token keeps only the result written last: that of its last kept choice (pairs in token
+    order), or of its kept choice with the highest expert (pairs sorted by expert)."""
+    key = torch.arange(index.shape[1]).expand_as(index) if by == "choice" else index
+    key = torch.where(kept, key, -1)
+    return weights * (key == key.max(-1, keepdim=True).values) * kept
+
+
+def _unpermuted(index, weights):
+    """The weights each (token, choice) pair gets when the results are put back in expert order (sorted by
+    expert on each rank) but the weights are left in token order: pair order[i] gets weight i."""
+    wrong = []
+    for g, w in zip(index.split(TOKENS), weights.split(TOKENS)):
+        order = g.flatten().argsort(stable=True)
+        wrong.append(torch.empty_like(w.flatten()).index_copy(0, order, w.flatten()).view(w.shape))
+    return torch.cat(wrong)
+
+
 def _rows(got, want):
     bad = ((got - want).abs() > TOLERANCE * max(1.0, want.abs().max().item())).any(-1) | got.isnan().any(-1)
     return bad.nonzero().flatten().tolist()
@@ -222,8 +273,13 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                                                                              else ""))
     x, kept1, index1 = want["x"], want["kept1"], want["index1"]
     if capacity is not None:  # which pairs were dropped, before what they did to the output
+        shapes = [tuple(getattr(r["other"], "shape", ())) for r in results]
+        if any(shape != (TOKENS, top_k) for shape in shapes):
+            raise AssertionError(f"{case}: `kept` has shape {shapes[0] if len(set(shapes)) == 1 else shapes} on the "
+                                 f"ranks, expected ({TOKENS}, {top_k}): the (tokens, top_k) bool mask of the "
+                                 f"(token, choice) pairs kept, shaped like index (kept.view(index.shape))")
         got_kept = torch.cat([r["other"] for r in results])
-        if got_kept.shape != want["kept"].shape or not torch.equal(got_kept.bool(), want["kept"]):
+        if not torch.equal(got_kept.bool(), want["kept"]):
             hint = next((h for kept, h in _kept_mistakes(want["index"], num_experts, capacity, world_size)
                          if got_kept.shape == kept.shape and torch.equal(got_kept.bool(), kept)), None)
             raise AssertionError(f"{case}: {int((~got_kept.bool()).sum())} pairs dropped, the reference drops "
@@ -263,7 +319,12 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                                      "course's rule renormalises the top-k weights once, before any drop; a dropped "
                                      "choice's share is lost (the residual carries the token)"),
                       (torch.ones_like(weights), "the combine weights were not applied: each result is multiplied "
-                                                 "by its pair's weight before it is added to its token")]
+                                                 "by its pair's weight before it is added to its token"),
+                      *[(_last_only(index, weights, kept, by), OVERWRITES) for by in ("choice", "expert")],
+                      (_unpermuted(index, weights), "the combine weights were not permuted with their tokens: the "
+                                                    "results come back in expert order, so take the weights in that "
+                                                    "order too (weights.flatten()[order]); with top-1 every weight "
+                                                    "is 1, so only top-k > 1 shows it")]
         for w, hint in candidates:
             value, _ = ep.moe_reference(x, index, w, moe.experts, num_experts, capacity, world_size)
             if close(got, value.detach()):
@@ -272,7 +333,7 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                              f"{_rows(got, want['y'])}, by up to {max_abs_diff(got, want['y']):.3g}")
     if capacity is None:
         counts = ep.tokens_per_expert(want["index"], num_experts)
-        got_counts = torch.cat([r["other"] for r in results])
+        got_counts = torch.cat([_counts(r["other"], case) for r in results])
         if not torch.equal(got_counts, counts):
             raise AssertionError(f"{case}: rows computed per expert {got_counts.tolist()}, the routing sends "
                                  f"{counts.tolist()}: return how many rows each local expert received")
@@ -295,6 +356,15 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                                  f"single-process layer's" + (": it is None" if got is None else
                                                               f" by up to {max_abs_diff(got, want_grad):.3g}"))
     return int((~want["kept"]).sum())
+
+
+def _counts(received, case):
+    """A rank's rows per local expert as a 1-D int64 tensor: a tensor, or any sequence of ints or 0-d tensors."""
+    try:
+        return torch.as_tensor([int(c) for c in received], dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError):
+        raise AssertionError(f"{case}: the second value returned must be the rows each local expert computed, one "
+                             f"count per local expert (a tensor or a list of ints), got {received!r:.80}") from None
 
 
 def _check_all(name, fn, world_size, world_sizes, capacity_factor, counts_hint):
@@ -388,10 +458,14 @@ def _mesh_hint(name, got, want, result, results, data_parallel, expert_parallel)
     if name.startswith("experts."):
         copies = [r["local"][name] for r in results if name in r["local"]]
         total = sum(copies)
+        both = (f"the data-parallel size (or the expert-parallel size: on this mesh both are {data_parallel})"
+                if data_parallel == expert_parallel else "the data-parallel size")
         candidates = [(total / data_parallel, f"it is {expert_parallel} times too large, the expert-parallel size: "
                                               f"the sum over its {data_parallel} copies must be divided by all {n} "
-                                              f"ranks (each rank's loss is 1/{n} of the batch's), not by the "
-                                              f"data-parallel size"),
+                                              f"ranks (each rank's loss is 1/{n} of the batch's), not by {both}"),
+                      (total / expert_parallel, f"it is {data_parallel} times too large, the data-parallel size: the "
+                                                f"sum over its {data_parallel} copies was divided by the "
+                                                f"expert-parallel size, {expert_parallel}; divide by all {n} ranks"),
                       (total, f"it is the sum over its copies: divide by the {n} ranks"),
                       (result["local"][name] / n, "it is this rank's own gradient: sum it over the ranks holding a "
                                                   "copy of this expert (the data-parallel group)"),

@@ -70,6 +70,27 @@ def _never_shuffles(Sampler, kwargs, dataset_size=13):
                for epoch in (1, 2))
 
 
+_TAIL_CUT_FIRST = ("the rows were cut to a multiple of num_replicas before the shuffle, so the same rows are dropped "
+                   "in every epoch (of {rows} rows, {lost} never yielded in {epochs} epochs): shuffle all the rows, "
+                   "then cut the permutation's tail, as DistributedSampler does, so that each epoch drops other rows")
+
+
+def _never_yielded(Sampler, dataset_size, n, seed, epochs=20):
+    """The rows no rank yields in `epochs` epochs with drop_last (DistributedSampler yields every one of 3 rows on 2
+    ranks, and of 13 on 3 and 4, by epoch 20: each epoch drops other rows)."""
+    seen = {i for epoch in range(epochs) for rank in range(n)
+            for i in _build(Sampler, dataset_size, n, rank, epoch, seed=seed, drop_last=True)}
+    return sorted(set(range(dataset_size)) - seen)
+
+
+def _lost_hint(Sampler, dataset_size, n, seed, epochs=20):
+    lost = _never_yielded(Sampler, dataset_size, n, seed, epochs)
+    if not lost:
+        return None
+    said = f"row {lost[0]}" if len(lost) == 1 else f"rows {', '.join(map(str, lost))}"
+    return _TAIL_CUT_FIRST.format(rows=dataset_size, lost=said, epochs=epochs)
+
+
 def _sampler_hint(Sampler, got, want, dataset_size, n, rank, epoch, kwargs):
     """Why a rank's indices differ from DistributedSampler's: the usual mistakes, in words."""
     if len(got) != len(want):
@@ -90,8 +111,12 @@ def _sampler_hint(Sampler, got, want, dataset_size, n, rank, epoch, kwargs):
     if sorted(got) == sorted(want):
         return "the right indices in another order: the permutation must come from a torch.Generator seeded with "\
                "seed + epoch (not the global RNG), with torch.randperm"
-    unpadded = dataset_size - dataset_size % n if kwargs["drop_last"] else dataset_size
-    if got[:-1] == want[:-1] or (len(want) * n > unpadded and set(got) - set(want)):
+    if kwargs["drop_last"] and kwargs["shuffle"] and dataset_size % n:
+        lost = _lost_hint(Sampler, dataset_size, n, kwargs["seed"])
+        if lost:
+            return lost
+    padded = not kwargs["drop_last"] and len(want) * n > dataset_size  # with drop_last nothing is padded
+    if padded and ((len(want) > 1 and got[:-1] == want[:-1]) or set(got) - set(want)):
         return "the padding: pad with the first indices of the permutation (repeated as often as needed)"
     return "different indices: shuffle from seed + epoch, pad or cut to a multiple of num_replicas, take every N-th"
 
@@ -134,6 +159,15 @@ def _verify_each_row_once(Sampler):
                         raise AssertionError(f"ShardedSampler on {dataset_size} rows, {n} replicas, drop_last="
                                              f"{drop_last}, epoch {epoch}: the ranks together saw {len(set(seen))} "
                                              f"distinct rows in {len(seen)} indices; expected each of {want} rows once")
+
+
+def _verify_every_row_over_epochs(Sampler):
+    """With drop_last, each epoch drops other rows (the tail is cut after the shuffle): every row is yielded in 20
+    epochs."""
+    for dataset_size, n in ((3, 2), (13, 3), (13, 4)):
+        lost = _lost_hint(Sampler, dataset_size, n, seed=3)
+        if lost:
+            raise AssertionError(f"ShardedSampler on {dataset_size} rows, {n} replicas, drop_last=True: {lost}")
 
 
 def _verify_resume(Sampler):
@@ -186,6 +220,7 @@ def check_sampler(Sampler):
     own generator, not torch's global RNG."""
     runs = _verify_against_pytorch(Sampler)
     _verify_each_row_once(Sampler)
+    _verify_every_row_over_epochs(Sampler)
     _verify_resume(Sampler)
     _verify_global_rng_untouched(Sampler)
     print(f"ShardedSampler: correct, checked in this process (a sampler needs no communication, so no ranks): "

@@ -127,11 +127,30 @@ def _shape(value):
     return "None" if value is None else str(tuple(value.shape))
 
 
+GLOO_ERRORS = [  # (gloo's words, what in the student's collective causes them), a library error said in its terms
+    (re.compile(r"Check failed: outputs\[0\]\.sizes\(\)\.vec\(\) == inputs\[0\]\[i\]\.sizes\(\)\.vec\(\) "
+                r"\(([\d ]+) vs\. ([\d ]+)\)"),
+     lambda m: (f"dist.reduce_scatter was given an output of shape ({m[1].replace(' ', ', ')}) for input pieces of "
+                f"shape ({m[2].replace(' ', ', ')}): the output is one of the N equal pieces of the input, cut along "
+                f"the sequence (dim 1), and every piece has that shape")),
+    (re.compile(r"allgather: invalid output tensor list at index 0 \(expected length (\d+), got (\d+)\)"),
+     lambda m: f"dist.all_gather's output list holds {m[2]} tensors: one per rank, {m[1]}"),
+]
+
+
+def _error_hint(error, shape_hints):
+    """What a region's error means: autograd's wrong-shape gradient, or one of gloo's enforce failures."""
+    if _shape_in(error) in shape_hints:
+        return shape_hints[_shape_in(error)]
+    return next((hint(m) for pattern, hint in GLOO_ERRORS if (m := pattern.search(error))), None)
+
+
 def _region_problem(where, got, error, want, mistakes, shape_hints):
     """Why a region's output (or gradient) is not `want`, or None. mistakes: (value, hint); shape_hints: {shape:
     hint} for a gradient whose wrong shape made autograd refuse it."""
     if error:
-        return f"{where}: {error}" + (f": {shape_hints[_shape_in(error)]}" if _shape_in(error) in shape_hints else "")
+        hint = _error_hint(error, shape_hints)
+        return f"{where}: {error}" + (f": {hint}" if hint else "")
     if close(got, want):
         return None
     if got is not None and got.shape != want.shape and tuple(got.shape) in shape_hints:
@@ -141,6 +160,10 @@ def _region_problem(where, got, error, want, mistakes, shape_hints):
         return f"{where}: expected shape {tuple(want.shape)}, got {_shape(got)}" + (f": {hint}" if hint else "")
     return f"{where}: differs from the expected value by up to {max_abs_diff(got, want):.3g}" + (
         f": {hint}" if hint else " (no usual mistake explains it: is every element written, by a collective?)")
+
+
+def _forward_error(run):
+    return run.error if run.output is None else ""  # with an output, the error is the backward's
 
 
 def _piece(t, n, dim, rank):
@@ -154,7 +177,7 @@ def _gather_problems(runs, n, sizes, seed):
     for rank, run in enumerate(runs):
         where = f"GatherFromSequenceParallelRegion on rank {rank} of {n}"
         summed = sum(gs).chunk(n, dim=1)[rank]
-        yield _region_problem(f"{where}, forward", run.output, "", torch.cat(xs, dim=1), [
+        yield _region_problem(f"{where}, forward", run.output, _forward_error(run), torch.cat(xs, dim=1), [
             (torch.cat(xs, dim=0), "the chunks are joined along the batch (dim 0): join them along the sequence, "
                                    "dim 1 (torch.cat(chunks, dim=1))"),
             (torch.cat(xs, dim=-1), "the chunks are joined along the features (dim 2): join them along the "
@@ -181,7 +204,7 @@ def _scatter_problems(runs, n, sizes, seed):
         summed = sum(xs)
         padded = torch.zeros(b, s, d, dtype=gs[rank].dtype)
         padded.chunk(n, dim=1)[rank].copy_(gs[rank])
-        yield _region_problem(f"{where}, forward", run.output, "", summed.chunk(n, dim=1)[rank], [
+        yield _region_problem(f"{where}, forward", run.output, _forward_error(run), summed.chunk(n, dim=1)[rank], [
             (xs[rank].chunk(n, dim=1)[rank], "this rank's own partial sum only: each rank's row-parallel output is a "
                                              "partial sum over its heads, sum it over ranks (reduce-scatter)"),
             (summed.chunk(n, dim=1)[rank] / n, "the mean over ranks: partial sums add up, do not divide by the "

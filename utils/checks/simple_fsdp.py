@@ -177,6 +177,13 @@ def _diagnose_values(got, want, local, case, world_size):
             return f"it has {got.shape[0]} rows, {want.shape[0]} expected: the padding rows were not dropped"
         if dst.is_shard() and got.shape[0] == rows:
             return f"it has all {rows} rows: Shard(0) keeps only this rank's rows ({want.shape[0]})"
+        if dst.is_shard() and got.shape[0] == rows // world_size:
+            lost = (f"row {rows - 1} of {rows} was" if rows - world_size * (rows // world_size) == 1 else
+                    f"rows {world_size * (rows // world_size)} to {rows - 1} of {rows} were")
+            return (f"it has {got.shape[0]} rows, {want.shape[0]} expected: Shard(0) gives each rank ceil(rows / N) "
+                    f"= {k} rows, as torch.chunk does (the last ranks fewer, or none), not rows // N = "
+                    f"{rows // world_size}: with {rows // world_size} rows a rank, {lost} never handed out "
+                    f"(simple_fsdp.local_shard splits so)")
     if got.shape != want.shape:
         return f"its shape is {tuple(got.shape)}, {tuple(want.shape)} expected"
     if got.dtype != local.dtype:
