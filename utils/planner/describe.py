@@ -287,6 +287,13 @@ def stage_layer_counts(num_layers, pp):
     return tuple(counts)
 
 
+@functools.lru_cache(maxsize=1024)
+def rank_layer_counts(num_layers, pp, v=1):
+    """Layers each pipeline rank holds: its pieces rank, rank + pp, ... of stage_layer_counts(num_layers, pp v)."""
+    counts = stage_layer_counts(num_layers, pp * v)
+    return tuple(sum(counts[rank::pp]) for rank in range(pp))
+
+
 def _batch_sizes_that_divide(global_batch, unit):
     below = global_batch // unit * unit
     return [b for b in (below, below + unit) if b > 0]

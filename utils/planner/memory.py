@@ -14,9 +14,7 @@ With e bytes per element, s b ((6h + 2 kv_dim + 2 or 3 f) e + 2h masks + a s (e 
 kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel with sequence parallel
 divides all of it by t (their Table 2); context parallel holds s / cp tokens.
 """
-import dataclasses
-
-from utils.planner.describe import stage_layer_counts
+from utils.planner.describe import rank_layer_counts
 
 # PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
 # tensors' bytes. With the CUDA context, cuBLAS's workspaces and NCCL's buffers (an assumed 2 GB), this is what the
@@ -40,8 +38,7 @@ def zero_sharded_bytes(num_params, model, data_ranks, zero_stage):
 
 def rank_layers(model, config, stage):
     """The layers pipeline rank `stage` holds: its pieces stage, stage + pp, ... of pp x v (stage_layer_counts)."""
-    counts = stage_layer_counts(model.num_layers, config.pp * config.v)
-    return sum(counts[stage::config.pp])
+    return rank_layer_counts(model.num_layers, config.pp, config.v)[stage]
 
 
 def stage_params(model, config, stage=0):
@@ -83,19 +80,20 @@ def buffer_bytes(model, config, stage=0):
     return 0.0
 
 
-def layer_activation_bytes(model, config):
+def layer_activation_bytes(model, config, recompute=None):
     """Bytes one layer keeps for backward, per micro-batch (the module docstring's count; s = seq_len / cp, b the
-    micro-batch, t = tp with sequence parallel): none, every tensor; selective, none of attention's s x s ones (what
+    micro-batch, t = tp with sequence parallel; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s ones (what
     flash attention keeps anyway); full, the layer's input only, s b h e / t."""
     s, b, h, t, e = model.seq_len / config.cp, config.micro_batch_size, model.dim, config.tp, model.activation_bytes
-    if config.recompute == "full":
+    recompute = recompute or config.recompute
+    if recompute == "full":
         return s * b * h * e / t
     f = model.ffn_dim * (model.top_k * model.capacity_factor if model.moe else 1)  # a token's expert MLPs
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
     elements = 6 * h + 2 * model.kv_dim + kept_by_mlp * f  # norms' inputs 2h, QKV's input, Q, K, V, wo's, MLP's input
     masks = 2 * h * model.dropout  # 1 byte per element
     scores = 0
-    if config.recompute == "none" and not model.flash_attention:
+    if recompute == "none" and not model.flash_attention:
         scores = model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
     return s * b * (elements * e + masks + scores) / t
 
@@ -130,7 +128,7 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     pieces = rank_layers(model, config, stage) / config.v
     kept = pieces_in_flight(config, num_micro_batches, stage) * pieces * layer_activation_bytes(model, config)
     if config.recompute == "full":
-        kept += layer_activation_bytes(model, dataclasses.replace(config, recompute="none"))
+        kept += layer_activation_bytes(model, config, recompute="none")
     return kept
 
 

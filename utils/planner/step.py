@@ -31,7 +31,7 @@ import functools
 from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import layer_times, memory_bound_seconds, output_layer_seconds
-from utils.planner.describe import check_config, stage_layer_counts
+from utils.planner.describe import check_config, rank_layer_counts
 from utils.planner.memory import model_state_bytes
 
 
@@ -120,13 +120,13 @@ def _step_seconds(model, cluster, config, global_batch, m):
 
     pp_send = on("pp", "send", activations / t) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
-    counts = stage_layer_counts(model.num_layers, c.pp * c.v)
+    counts = rank_layer_counts(model.num_layers, c.pp, c.v)
     fsdp = c.zero_stage == 3 and n > 1
     stages = []
-    fullest = max(range(c.pp), key=lambda stage: sum(counts[stage::c.pp]))
+    fullest = counts.index(max(counts))
     for stage in sorted({0, fullest, c.pp - 1}):  # the others hold as many layers as `fullest`, nothing more
         # per micro-batch: each group's exposed time, and F, B, W
-        layers, last = sum(counts[stage::c.pp]), stage == c.pp - 1
+        layers, last = counts[stage], stage == c.pp - 1
         part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
                 "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
         dp_f = gather + hidden_behind(gather, lt.forward, layers - 1) if fsdp else 0.0
