@@ -147,6 +147,8 @@ def memory_per_device(model, config, num_micro_batches, stage=0):
 
 def peak_memory(model, config, num_micro_batches):
     """(stage, memory) of the pipeline rank that needs the most."""
-    candidates = {0, config.pp - 1} | ({1} if config.pp > 2 else set())  # the first has the most in flight
+    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
+    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
+    candidates = {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
     return max(((stage, memory_per_device(model, config, num_micro_batches, stage)) for stage in candidates),
                key=lambda item: item[1]["total"])
