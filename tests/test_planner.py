@@ -235,7 +235,7 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_ones_that_would()
 @pytest.fixture(scope="module")
 def plan_70b():
     cluster = pl.Cluster(64, **H100)
-    return cluster, pl.plan(LLAMA2_70B, cluster, 256)
+    return cluster, pl.plan(LLAMA2_70B, cluster, 256, micro_batch_sizes=(1, 2), schedules=pl.SCHEDULE_CHOICES[:2])
 
 
 def test_plan_lists_valid_fitting_configs_fastest_first(plan_70b):
