@@ -6,7 +6,7 @@
 e_max is the share of peak a large GEMM reaches on the device and t_kernel a fixed cost per kernel (launch, the
 first wave of tiles ramping up, the last one running part-empty): together a curve on which efficiency falls as
 a matrix shrinks, e_max F / (F + F_half) with F_half = t_kernel x peak x e_max (for an H100, 0.75 x 989 TFLOP/s x
-5 us = 3.7 GFLOP: a 1024 x 1024 x 1024 product reaches 0.28 of peak, 8192 cubed 0.74). Both constants are stated
+5 us = 3.7 GFLOP: a 1024 x 1024 x 1024 product reaches 0.28 of peak, 8192 cubed 0.75). Both constants are stated
 with the device (describe.py): e_max from cuBLAS's published large-size throughput, t_kernel an assumption (of the
 size of a kernel launch and one wave of tiles on a small product), not a fit.
 
