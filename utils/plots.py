@@ -277,7 +277,7 @@ def plot_plan(cases, memory_gb, title):
     scatter_ax.set_yscale("log")
     scatter_ax.set_xlabel("estimated step time (s, log scale)")
     scatter_ax.set_ylabel("memory per device (GB, log scale)")
-    scatter_ax.legend(fontsize=7, markerscale=3)
+    scatter_ax.legend(fontsize=7, markerscale=3, loc="upper right")  # "best" is slow (and warns) on many dots
     tp_ax.set_xscale("log", base=2)
     tp_ax.set_yscale("log")
     tp_ax.set_xlabel("tensor-parallel size tp (beyond 8: across nodes)")

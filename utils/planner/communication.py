@@ -1,0 +1,53 @@
+"""Communication: the bytes each collective sends (notebook 01's counts) and its time on the link it crosses.
+
+`message_seconds` and `collective_seconds` are the two primitives a replay of recorded steps uses (issue 42): one
+cost model for the planner and the replay. The mesh is (pp, dp, cp, tp), tp innermost: a group whose ranks fit in
+one node talks over the intra-node link (NVLink), any other over the inter-node one (InfiniBand).
+"""
+BACKENDS = ("ring", "gloo")
+
+
+def message_seconds(nbytes, link):
+    """One message of nbytes on a link: alpha + nbytes / beta (notebook 01)."""
+    return link.alpha + nbytes / link.beta
+
+
+def collective_bytes(op, world_size, size, backend="ring"):
+    """Bytes each rank sends in one collective over world_size ranks, `size` the whole tensor (an all-reduce's
+    input, an all-gather's output, a reduce-scatter's input, an all-to-all's input). Ring (notebook 01; NCCL):
+    all-reduce 2(N-1)/N S, all-gather, reduce-scatter and all-to-all (N-1)/N S; a send S. Gloo, measured at the
+    sockets in notebook 01: the same, except that its reduce-scatter all-reduces and keeps one chunk, 2(N-1)/N S."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if op == "send":
+        return size
+    n = world_size
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n,
+              "reduce_scatter": (2 if backend == "gloo" else 1) * (n - 1) / n}[op]
+    return factor * size
+
+
+def collective_seconds(op, world_size, size, link):
+    """Alpha-beta time of a ring collective (notebook 01): all-reduce 2(N-1) alpha + 2(N-1)/N S / beta; all-gather,
+    reduce-scatter, all-to-all (N-1) alpha + (N-1)/N S / beta; a send alpha + S / beta."""
+    if world_size == 1 and op != "send":
+        return 0.0
+    if op == "send":
+        return message_seconds(size, link)
+    steps = 2 * (world_size - 1) if op == "all_reduce" else world_size - 1
+    return steps * link.alpha + collective_bytes(op, world_size, size) / link.beta
+
+
+def group_link(cluster, stride, size):
+    """The link a group of `size` ranks, `stride` apart on the mesh, runs at: intra-node when its ranks span at most
+    one node's devices (inner axes first), inter-node otherwise."""
+    return cluster.intra if stride * size <= cluster.devices_per_node else cluster.inter
+
+
+def group_links(cluster, config):
+    """{group: (size, link)} on the mesh (pp, dp, cp, tp), tp innermost; the data group is dp x cp, the expert
+    group ep consecutive ranks of it."""
+    c = config
+    return {"tp": (c.tp, group_link(cluster, 1, c.tp)), "cp": (c.cp, group_link(cluster, c.tp, c.cp)),
+            "ep": (c.ep, group_link(cluster, c.tp, c.ep)), "dp": (c.dp * c.cp, group_link(cluster, c.tp, c.dp * c.cp)),
+            "pp": (c.pp, group_link(cluster, c.tp * c.cp * c.dp, c.pp))}

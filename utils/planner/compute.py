@@ -1,0 +1,114 @@
+"""Compute: the time of each layer's matrix products from their shapes on one device, through a roofline.
+
+    a product (m, k) x (k, n), `batch` of them:
+        time = max(2 m k n batch / (peak x e_max),  (m k + k n + m n) batch bytes / HBM bandwidth) + t_kernel
+
+e_max is the share of peak a large GEMM reaches on the device and t_kernel a fixed cost per kernel (launch, the
+first wave of tiles ramping up, the last one running part-empty): together a curve on which efficiency falls as
+a matrix shrinks, e_max F / (F + F_half) with F_half = t_kernel x peak x e_max (for an H100, 0.75 x 989 TFLOP/s x
+5 us = 3.7 GFLOP: a 1024 x 1024 x 1024 product reaches 0.28 of peak, 8192 cubed 0.75). Both constants are stated
+with the device (describe.py): e_max from cuBLAS's published large-size throughput, t_kernel an assumption (of the
+size of a kernel launch and one wave of tiles on a small product), not a fit.
+
+Element-wise work (norms, activations, residuals, dropout, softmax) is memory-bound: forward, it moves
+ELEMENTWISE_TRAFFIC times the bytes a layer keeps for backward; backward, twice that.
+
+`matmul_seconds` is the primitive a replay of recorded steps uses (issue 42): one computation on a device.
+"""
+import dataclasses
+import functools
+
+from utils.planner.describe import Config
+from utils.planner.memory import layer_activation_bytes
+
+
+# Bytes moved forward by element-wise work per byte a layer keeps for backward: each kept tensor is written once and
+# read at least once, and norms, residual adds and casts move more than they keep; 3, fitted with the A100's
+# efficiency to Narayanan et al. 2021 Table 1's two smallest rows (describe.py).
+ELEMENTWISE_TRAFFIC = 3
+
+
+def matmul_seconds(m, k, n, cluster, batch=1, element_bytes=2):
+    """Seconds of `batch` products (m, k) x (k, n) on one device of `cluster` (the roofline above; with a fixed
+    cluster.mfu, their FLOPs at that share of peak)."""
+    flops = 2 * batch * m * k * n
+    if cluster.mfu is not None:
+        return flops / (cluster.peak_flops * cluster.mfu)
+    compute = flops / (cluster.peak_flops * cluster.matmul_efficiency)
+    memory = batch * (m * k + k * n + m * n) * element_bytes / cluster.hbm_bandwidth
+    return max(compute, memory) + cluster.kernel_seconds
+
+
+def memory_bound_seconds(nbytes, cluster):
+    """Seconds to move nbytes through the device's memory once (element-wise work); none with a fixed mfu."""
+    return 0.0 if cluster.mfu is not None else nbytes / cluster.hbm_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """One layer, one micro-batch, one device: forward seconds by part; backward is the input gradients (B: the
+    products again, attention twice, element-wise twice) and the weight gradients (W: the products again)."""
+
+    matmul: float  # the weights' products
+    attention: float  # QK^T and AV
+    elementwise: float
+    flops: float
+
+    @property
+    def forward(self):
+        return self.matmul + self.attention + self.elementwise
+
+    @property
+    def input_grad(self):
+        return self.matmul + 2 * self.attention + 2 * self.elementwise
+
+    @property
+    def weight_grad(self):
+        return self.matmul
+
+
+def layer_times(model, cluster, config):
+    """The forward of one layer on one device: each product with its per-device shape. Tokens T = b s / cp; with
+    sequence parallel each tensor-parallel rank multiplies all T by its 1/tp of the weights: wq (h, h/t), wk and wv
+    (h, kv/t: whole heads, a copy when tp exceeds the key/value heads), wo (h/t, h), the MLP's (h, f/t) and
+    (f/t, h). A MoE layer: the router on the rank's T/t tokens, then each of its E/ep experts on an even share of
+    the ep group's tokens' top_k copies, times the capacity factor. Attention: b a/t heads, queries s/cp against
+    keys s (the ring's cp blocks, or the gathered keys), head_dim d."""
+    return _layer_times(model, cluster, config.tp, config.cp, config.ep, config.micro_batch_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_times(model, cluster, tp, cp, ep, b):
+    h, t, e = model.dim, tp, model.activation_bytes
+    tokens = b * model.seq_len // cp
+    kv = max(model.kv_dim // t, model.head_dim)
+    shapes = [(tokens, h, h // t), (tokens, h, kv), (tokens, h, kv), (tokens, h // t, h)]
+    if model.moe:
+        local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
+        per_expert = [(local, h, model.ffn_dim)] * (model.ffn_matrices - 1) + [(local, model.ffn_dim, h)]
+        shapes.append((tokens // t, h, model.num_experts))
+        experts = sum(matmul_seconds(*s, cluster, batch=model.num_experts // ep, element_bytes=e) for s in per_expert)
+    else:
+        shapes += [(tokens, h, model.ffn_dim // t)] * (model.ffn_matrices - 1) + [(tokens, model.ffn_dim // t, h)]
+        experts = 0.0
+    matmul = sum(matmul_seconds(*s, cluster, element_bytes=e) for s in shapes) + experts
+    heads, d, blocks = b * model.num_heads // t, model.head_dim, cp
+    block = model.seq_len // cp
+    attention = 2 * matmul_seconds(block, d, block, cluster, batch=heads * blocks, element_bytes=e)
+    kept = layer_activation_bytes(model, _config(tp, cp, ep, b))
+    flops = 2 * tokens / t * model.layer_matmul_params + 4 * b * model.seq_len ** 2 * h / (cp * t)
+    return LayerTimes(matmul, attention, memory_bound_seconds(ELEMENTWISE_TRAFFIC * kept, cluster), flops)
+
+
+def _config(tp, cp, ep, b):
+    return Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b)
+
+
+def output_layer_seconds(model, cluster, config):
+    """(forward, backward) of the output layer and its fp32 cross entropy on the last stage: (T, h) x (h, V/t),
+    then the logits read and written about three times (softmax, loss, gradient) in fp32."""
+    tokens = config.micro_batch_size * model.seq_len // config.cp
+    product = matmul_seconds(tokens, model.dim, model.vocab_size // config.tp, cluster,
+                             element_bytes=model.activation_bytes)
+    loss = memory_bound_seconds(3 * 4 * tokens * model.vocab_size / config.tp, cluster)
+    return product + loss, 2 * product + loss

@@ -1,0 +1,342 @@
+"""What is planned: a model, the devices and links it runs on, and a split of it (notebook 12, section 5).
+
+Every constant of a device carries its source. A split that does not divide is refused here, before any
+estimate, with a message naming the sizes that would.
+"""
+import dataclasses
+import functools
+
+from utils.sizes import check_int, divide
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+SCHEDULES = ("1F1B", "interleaved", "ZB-H1")
+CP_MODES = ("ring", "all_gather")
+GB = 1e9
+MIB = 2**20
+
+
+# ---------------------------------------------------------------- the model
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer. Bytes per parameter default to the ZeRO paper's mixed precision (2 bf16 weight,
+    2 bf16 gradient, 12 fp32 master weight + Adam's two moments: notebook 05); activations in 16 bits.
+
+    Llama-shaped by default (no biases, RMSNorm, rotary positions, no dropout, flash attention, untied output).
+    GPT-3-shaped as in Narayanan et al. 2021: biases=True, learned_positions=True, tied=True, dropout=True,
+    flash_attention=False, ffn_dim = 4 dim, ffn_matrices = 2."""
+
+    num_layers: int
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    seq_len: int
+    vocab_size: int
+    num_kv_heads: int = 0  # 0: as many as num_heads (no grouped-query attention)
+    num_experts: int = 1  # 1: dense; more: every layer's MLP is a mixture of experts
+    top_k: int = 1
+    ffn_matrices: int = 2  # the course's w1, GELU, w2; Llama's SwiGLU has 3
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+    activation_bytes: int = 2
+    name: str = "model"
+    tied: bool = False  # the output layer reuses tok_embeddings' weight
+    biases: bool = False  # every linear layer and norm has a bias (GPT)
+    learned_positions: bool = False  # a (seq_len, dim) position embedding (GPT); False: rotary
+    dropout: bool = False  # dropout after attention's softmax and each residual branch (GPT-3; its masks are kept)
+    flash_attention: bool = True  # attention's s x s scores are never kept (recomputed in backward, in blocks)
+    capacity_factor: float = 1.0  # a MoE layer's experts process up to this times their even share of tokens
+
+    def __post_init__(self):
+        for field in ("num_layers", "dim", "num_heads", "ffn_dim", "seq_len", "vocab_size", "num_experts", "top_k",
+                      "ffn_matrices", "param_bytes", "grad_bytes", "activation_bytes"):
+            check_int(field, getattr(self, field))
+        check_int("optimizer_bytes", self.optimizer_bytes, 0)  # 0: plain SGD
+        check_int("num_kv_heads", self.num_kv_heads, 0)
+        divide("dim", self.dim, "num_heads", self.num_heads, "every head gets dim / num_heads features")
+        divide("num_heads", self.num_heads, "num_kv_heads", self.kv_heads, "query heads share key/value heads evenly")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
+        if not self.capacity_factor >= 1:
+            raise ValueError(f"capacity_factor must be at least 1, got {self.capacity_factor}")
+
+    @functools.cached_property
+    def kv_heads(self):
+        return self.num_kv_heads or self.num_heads
+
+    @functools.cached_property
+    def kv_dim(self):
+        return self.kv_heads * self.dim // self.num_heads
+
+    @property
+    def head_dim(self):
+        return self.dim // self.num_heads
+
+    @property
+    def moe(self):
+        return self.num_experts > 1
+
+    # parameters, counted layer by layer (utils/transformer.py's names)
+    @functools.cached_property
+    def attention_params(self):
+        weights = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim  # wq, wo; wk, wv (smaller under GQA)
+        return weights + (2 * self.dim + 2 * self.kv_dim) * self.biases
+
+    @functools.cached_property
+    def expert_params(self):
+        """One MLP: ffn_matrices matrices of dim x ffn_dim (and, with biases, ffn_dim biases per input matrix and
+        dim for the output one)."""
+        biases = ((self.ffn_matrices - 1) * self.ffn_dim + self.dim) * self.biases
+        return self.ffn_matrices * self.dim * self.ffn_dim + biases
+
+    @functools.cached_property
+    def norm_params(self):
+        return self.dim * (2 if self.biases else 1)  # LayerNorm's weight and bias, or RMSNorm's weight
+
+    @functools.cached_property
+    def layer_dense_params(self):
+        """A layer's weights outside its experts: attention, two norms, the router of a MoE layer (or the MLP of a
+        dense layer, which has one 'expert' that every rank holds)."""
+        router = self.dim * self.num_experts if self.moe else 0
+        mlp = 0 if self.moe else self.expert_params
+        return self.attention_params + 2 * self.norm_params + router + mlp
+
+    @functools.cached_property
+    def layer_expert_params(self):
+        return self.num_experts * self.expert_params if self.moe else 0
+
+    @functools.cached_property
+    def embedding_params(self):
+        """tok_embeddings (and the learned positions)."""
+        return self.vocab_size * self.dim + self.seq_len * self.dim * self.learned_positions
+
+    @functools.cached_property
+    def head_params(self):
+        """The final norm and the output layer (its weight is tok_embeddings' when tied)."""
+        return self.norm_params + self.vocab_size * self.dim * (not self.tied)
+
+    @functools.cached_property
+    def num_params(self):
+        """Every parameter. Narayanan et al. 2021's 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) for a GPT-3-shaped
+        model (see the class), plus the final norm's 2h, which their count leaves out."""
+        layer = self.layer_dense_params + self.layer_expert_params
+        return self.num_layers * layer + self.embedding_params + self.head_params
+
+    @functools.cached_property
+    def active_params(self):
+        """The parameters one token goes through: top_k of the experts."""
+        idle = (self.num_experts - self.top_k) * self.expert_params if self.moe else 0
+        return self.num_params - self.num_layers * idle
+
+    @functools.cached_property
+    def layer_matmul_params(self):
+        """The weights one token multiplies in a layer: wq, wk, wv, wo, the router and top_k experts' matrices (a
+        dense layer's MLP); biases and norms are added, not multiplied."""
+        router = self.dim * self.num_experts if self.moe else 0
+        mlp = self.ffn_matrices * self.dim * self.ffn_dim * (self.top_k if self.moe else 1)
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + router + mlp
+
+    def flops_per_token(self, recompute="none"):
+        """Training FLOPs per token, counted from the matrix products: the forward 2 x the weights a token
+        multiplies, attention's QK^T and AV 4 s h per layer (the whole s x s square, as Narayanan et al. count), the
+        output layer 2 V h; backward twice the forward. Not counted: the embedding lookup (a gather, no product),
+        norms and element-wise work. With full recomputation one more forward of the layers (not of the output
+        layer): Narayanan et al. 2021's 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences."""
+        forward_layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.dim
+        passes = 4 if recompute == "full" else 3
+        return self.num_layers * passes * forward_layer + 3 * 2 * self.vocab_size * self.dim
+
+
+# ---------------------------------------------------------------- devices and links
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link of the alpha-beta model (notebook 01): a message of S bytes takes alpha + S / beta seconds."""
+
+    alpha: float  # seconds
+    beta: float  # bytes per second, per device, in one direction
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """A device's constants: dense 16-bit peak, memory bandwidth and size, the links of the node it is sold in,
+    and how close its matrix products come to the peak (the efficiency curve: compute.py)."""
+
+    name: str
+    peak_flops: float  # dense bf16, per second
+    hbm_bandwidth: float  # bytes per second
+    memory_bytes: float  # what the device reports as total memory
+    intra: Link  # NVLink, one direction, per device
+    inter: Link  # InfiniBand, one direction, per device (one NIC per GPU)
+    devices_per_node: int = 8
+    matmul_efficiency: float = 0.8  # the share of peak a large bf16 GEMM reaches
+    kernel_seconds: float = 5e-6  # fixed cost of one kernel: launch, the first wave's ramp and the last's tail
+
+
+# H100 SXM5 80GB (NVIDIA H100 datasheet, 2023): 989.4 TFLOP/s dense BF16 (1979 with 2:4 sparsity), HBM3 3.35 TB/s,
+# 80 GB (nvidia-smi reports 81559 MiB); NVLink 4: 900 GB/s per GPU both directions, 450 GB/s one way; DGX H100: 8
+# ConnectX-7 NICs at 400 Gb/s (NDR), one per GPU: 50 GB/s. A100 SXM4 80GB (NVIDIA A100 datasheet, 2021): 312 TFLOP/s
+# dense BF16, HBM2e 2.039 TB/s, 81920 MiB; NVLink 3: 600 GB/s both directions, 300 one way; DGX A100 / Selene
+# (Narayanan et al. 2021, section 5): 8 HDR InfiniBand NICs at 200 Gb/s per node, one per GPU: 25 GB/s.
+# What collectives reach of a link (assumed, of the size nccl-tests' bus bandwidths show): 0.8 of NVLink, 0.9 of
+# InfiniBand. Latency per ring step: a few microseconds on NVLink, about 10 on InfiniBand.
+# The efficiency curve (compute.py): large BF16 GEMMs reach about 0.75 of peak, as cuBLAS's published plots show for
+# H100 ("New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs", NVIDIA blog, 2023);
+# the same 0.75 on A100 brings Narayanan et al. 2021 Table 1's two smallest runs (1.7B and 3.6B parameters, where
+# little is communicated) within 5% of their published 137 and 138 TFLOP/s per GPU: a fit to those two rows,
+# together with compute.ELEMENTWISE_TRAFFIC; the other eight rows are predictions.
+H100_SXM = GPU("H100 SXM", peak_flops=989.4e12, hbm_bandwidth=3.35e12, memory_bytes=81559 * MIB,
+               intra=Link(alpha=3e-6, beta=0.8 * 450e9), inter=Link(alpha=10e-6, beta=0.9 * 50e9),
+               matmul_efficiency=0.75)
+A100_80GB = GPU("A100 80GB", peak_flops=312e12, hbm_bandwidth=2.039e12, memory_bytes=81920 * MIB,
+                intra=Link(alpha=3e-6, beta=0.8 * 300e9), inter=Link(alpha=10e-6, beta=0.9 * 25e9),
+                matmul_efficiency=0.75)
+GPUS = {gpu.name: gpu for gpu in (H100_SXM, A100_80GB)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """num_devices devices in nodes of devices_per_node. `mfu` None (the default): compute times come from the
+    roofline of the device (compute.py) and MFU is an output; a number: every matrix product runs at that share of
+    peak (to compare with a source that assumes one)."""
+
+    num_devices: int
+    devices_per_node: int
+    memory_bytes: float
+    intra: Link  # within a node (NVLink)
+    inter: Link  # between nodes (InfiniBand), per device
+    peak_flops: float  # per device, in the training's precision
+    mfu: float = None
+    hbm_bandwidth: float = H100_SXM.hbm_bandwidth
+    matmul_efficiency: float = H100_SXM.matmul_efficiency
+    kernel_seconds: float = H100_SXM.kernel_seconds
+    gpu: str = "custom"
+
+    def __post_init__(self):
+        check_int("num_devices", self.num_devices)
+        check_int("devices_per_node", self.devices_per_node)
+        if self.num_devices > self.devices_per_node:
+            divide("num_devices", self.num_devices, "devices_per_node", self.devices_per_node, "nodes are whole")
+        for name, value in (("memory_bytes", self.memory_bytes), ("peak_flops", self.peak_flops),
+                            ("intra.beta", self.intra.beta), ("inter.beta", self.inter.beta),
+                            ("hbm_bandwidth", self.hbm_bandwidth)):
+            _check_positive(name, value)
+        for name, value in (("intra.alpha", self.intra.alpha), ("inter.alpha", self.inter.alpha),
+                            ("kernel_seconds", self.kernel_seconds)):
+            _check_positive(name, value, allow_zero=True)
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1] or None, got {self.mfu}")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
+
+
+def cluster(gpu, num_devices, **changes):
+    """A Cluster of num_devices of a named GPU ("H100 SXM", "A100 80GB") in its vendor's nodes of 8."""
+    if gpu not in GPUS:
+        raise ValueError(f"gpu must be one of {tuple(GPUS)}, got {gpu!r}")
+    g = GPUS[gpu]
+    fields = dict(num_devices=num_devices, devices_per_node=g.devices_per_node, memory_bytes=g.memory_bytes,
+                  intra=g.intra, inter=g.inter, peak_flops=g.peak_flops, hbm_bandwidth=g.hbm_bandwidth,
+                  matmul_efficiency=g.matmul_efficiency, kernel_seconds=g.kernel_seconds, gpu=g.name)
+    return Cluster(**(fields | changes))
+
+
+def _check_positive(name, value, allow_zero=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value}")
+
+
+# ---------------------------------------------------------------- a split
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    dp: int = 1
+    tp: int = 1  # always with sequence parallel outside the column/row pairs (Korthikanti et al.)
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # borrowed from the data axis dp * cp
+    micro_batch_size: int = 1  # sequences
+    recompute: str = "none"
+    zero_stage: int = 1  # over the data axis dp * cp; 3 is FSDP
+    schedule: str = "1F1B"  # the pipeline's: "1F1B", "interleaved" (v pieces per rank), "ZB-H1"
+    v: int = 1  # pieces of the model per pipeline rank (interleaved)
+    cp_mode: str = "ring"  # ring attention, or an all-gather of keys and values (Llama 3)
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with the matrix products they feed
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_layer_counts(num_layers, pp):
+    """Layers per pipeline stage, as practitioners place them: ceil(L / pp) each, and the layers that are missing
+    taken from the stages that also carry the embedding or the head, last and first, then their neighbours
+    (Llama 3 405B: 126 layers on 16 stages, the first and last stage one layer fewer; Dubey et al. 2024, 3.3.2)."""
+    if pp > num_layers:
+        raise ValueError(f"num layers {num_layers} do not fill pp {pp} stages: every stage needs a layer")
+    full = -(-num_layers // pp)
+    counts = [full] * pp
+    missing = full * pp - num_layers
+    for i in (i for pair in zip(range(pp - 1, -1, -1), range(pp)) for i in pair):
+        if not missing:
+            break
+        if counts[i] > 1:
+            counts[i] -= 1
+            missing -= 1
+    return tuple(counts)
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_layer_counts(num_layers, pp, v=1):
+    """Layers each pipeline rank holds: its pieces rank, rank + pp, ... of stage_layer_counts(num_layers, pp v)."""
+    counts = stage_layer_counts(num_layers, pp * v)
+    return tuple(sum(counts[rank::pp]) for rank in range(pp))
+
+
+def _batch_sizes_that_divide(global_batch, unit):
+    below = global_batch // unit * unit
+    return [b for b in (below, below + unit) if b > 0]
+
+
+def check_config(model, cluster, global_batch, config):
+    """The number of micro-batches per step, if `config` splits `model` on `cluster` evenly; else a ValueError
+    that names what does not divide (and, for the batch, the sizes that would)."""
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "v"):
+        check_int(name, getattr(config, name))
+    check_int("global_batch", global_batch)
+    for name, value, allowed in (("recompute", config.recompute, RECOMPUTE), ("zero_stage", config.zero_stage,
+                                 ZERO_STAGES), ("schedule", config.schedule, SCHEDULES),
+                                 ("cp_mode", config.cp_mode, CP_MODES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    mesh = config.dp * config.tp * config.pp * config.cp
+    if mesh != cluster.num_devices:
+        raise ValueError(f"the mesh dp x tp x pp x cp = {config.dp} x {config.tp} x {config.pp} x {config.cp} = {mesh} "
+                         f"is not the number of devices, {cluster.num_devices}")
+    divide("num_heads", model.num_heads, "tp", config.tp, "each tensor-parallel rank computes whole heads")
+    if model.kv_heads % config.tp and config.tp % model.kv_heads:
+        raise ValueError(f"num kv heads {model.kv_heads} and tp {config.tp} do not divide one another: each "
+                         f"tensor-parallel rank holds whole key/value heads, or a copy of one")
+    divide("ffn_dim", model.ffn_dim, "tp", config.tp, "each tensor-parallel rank holds as many MLP features")
+    if config.v > 1 and config.schedule != "interleaved":
+        raise ValueError(f"v {config.v} pieces per rank need the interleaved schedule, got {config.schedule!r}")
+    stage_layer_counts(model.num_layers, config.pp * config.v)
+    local_seq = divide("seq_len", model.seq_len, "cp", config.cp, "every context-parallel rank holds a chunk")
+    divide("seq_len / cp", local_seq, "tp", config.tp, "sequence parallel splits each rank's chunk over tp")
+    divide("dp x cp", config.dp * config.cp, "ep", config.ep, "expert parallel borrows its ranks from the data axis")
+    divide("num_experts", model.num_experts, "ep", config.ep, "every expert-parallel rank holds as many experts")
+    unit = config.dp * config.micro_batch_size
+    if global_batch % config.dp:
+        raise ValueError(f"global batch {global_batch} is not divisible by dp {config.dp}: every data-parallel "
+                         f"replica gets as many; global batches that would divide: "
+                         f"{', '.join(map(str, _batch_sizes_that_divide(global_batch, unit)))}")
+    if global_batch % unit:
+        raise ValueError(f"global batch / dp {global_batch // config.dp} is not divisible by micro batch size "
+                         f"{config.micro_batch_size}: a replica's batch is a whole number of micro-batches; global "
+                         f"batches that would divide: {', '.join(map(str, _batch_sizes_that_divide(global_batch, unit)))}")
+    m = global_batch // unit
+    if config.schedule == "interleaved" and config.pp > 1 and m % config.pp:
+        raise ValueError(f"micro-batches {m} are not a multiple of pp {config.pp}: the interleaved schedule runs "
+                         f"them in groups of pp (Megatron-LM's rule)")
+    return m

@@ -1,0 +1,154 @@
+"""Memory per device, stage by stage: model states by ZeRO stage, activations by recompute mode, the fp32 logits,
+FSDP's gathered units and gradient buffers, and what the allocator and the runtime take besides.
+
+Activations are Korthikanti et al. 2022's count ("Reducing Activation Recomputation in Large Transformer Models",
+section 4.1), written tensor by tensor so that it holds for other shapes than GPT-3's. Their 34 s b h + 5 a s^2 b
+bytes (16-bit, dropout, a GELU MLP of 4h) are, per layer and element of s b:
+    attention: the norm's input h, Q K V's input h, Q h and K, V kv_dim each, wo's input h (11 h at kv_dim = h,
+               in bytes at 2 per element, with the dropout mask: 1 byte h);
+               unless flash attention, the softmax's output a s, and with dropout its mask and output (5 a s);
+    MLP:       the norm's input h, the first matrices' input h, then every ffn_dim-wide tensor the MLP keeps:
+               GELU's input and output (2 f = 8h at f = 4h), SwiGLU's two products and their product (3 f);
+               with dropout a 1-byte mask h.
+With e bytes per element, s b ((6h + 2 kv_dim + 2 or 3 f) e + 2h masks + a s (e + (1 + e) dropout)); at e = 2,
+kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel with sequence parallel
+divides all of it by t (their Table 2); context parallel holds s / cp tokens.
+"""
+from utils.planner.describe import rank_layer_counts
+
+# PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
+# tensors' bytes. With the CUDA context, cuBLAS's workspaces and NCCL's buffers (an assumed 2 GB), this is what the
+# planner keeps free. Both are assumptions, not measurements: this course has no GPU. They are of the size the
+# memory snapshots of PyTorch's allocator show (torch.cuda.memory_reserved over max_memory_allocated).
+FRAGMENTATION = 0.05
+RUNTIME_BYTES = 2e9
+# ZeRO-2's reduce bucket: Megatron-LM's default --ddp-bucket-size, max(40M, 1M x dp) elements
+# (megatron/core/distributed/distributed_data_parallel.py); unsharded gradients wait there for their reduce-scatter.
+BUCKET_ELEMENTS = 40e6
+
+
+def zero_sharded_bytes(num_params, model, data_ranks, zero_stage):
+    """{parameters, gradients, optimizer states} in bytes for num_params parameters on a data axis of data_ranks
+    (notebook 05's table): ZeRO-1 shards the optimizer states, ZeRO-2 the gradients too, ZeRO-3 (FSDP) all three."""
+    def share(stage):
+        return num_params / data_ranks if zero_stage >= stage else num_params
+    return {"parameters": share(3) * model.param_bytes, "gradients": share(2) * model.grad_bytes,
+            "optimizer states": share(1) * model.optimizer_bytes}
+
+
+def rank_layers(model, config, stage):
+    """The layers pipeline rank `stage` holds: its pieces stage, stage + pp, ... of pp x v (stage_layer_counts)."""
+    return rank_layer_counts(model.num_layers, config.pp, config.v)[stage]
+
+
+def stage_params(model, config, stage=0):
+    """(dense, experts): the parameters of pipeline rank `stage` on one device. Dense weights are split over tp
+    (notebook 03: column and row shards; the norms are small and counted as split too), experts over ep. The first
+    rank holds tok_embeddings, the last the final norm and output; a tied output layer on a rank other than the
+    first is a copy of tok_embeddings (Megatron-LM keeps one there and sums the two gradients)."""
+    first, last = stage == 0, stage == config.pp - 1
+    layers = rank_layers(model, config, stage)
+    head = model.head_params + model.vocab_size * model.dim * (model.tied and not first)
+    dense = (layers * model.layer_dense_params + model.embedding_params * first + head * last) / config.tp
+    experts = layers * model.layer_expert_params / config.ep
+    return dense, experts
+
+
+def model_state_bytes(model, config, stage=0):
+    """Parameters, gradients and optimizer states on one device of pipeline rank `stage`, sharded by ZeRO stage."""
+    dense, experts = stage_params(model, config, stage)
+    data = config.dp * config.cp  # cp ranks hold the same weights: their gradients are summed with dp's
+    state = zero_sharded_bytes(dense, model, data, config.zero_stage)
+    for group, value in zero_sharded_bytes(experts, model, data // config.ep, config.zero_stage).items():
+        state[group] += value
+    return state
+
+
+def buffer_bytes(model, config, stage=0):
+    """What a data-parallel scheme holds unsharded for a moment. FSDP (ZeRO-3): the unit being used and the one
+    prefetched, gathered (2 layers' weights), and one layer's unsharded gradients before their reduce-scatter; the
+    largest unit is a layer or, on the first and last rank, the embedding or the output layer. ZeRO-2: one reduce
+    bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients already."""
+    layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
+    if config.zero_stage == 3:
+        ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
+        unit = max([layer] + [e / config.tp for e in ends])
+        return unit * (2 * model.param_bytes + model.grad_bytes)
+    if config.zero_stage == 2 and config.dp * config.cp > 1:
+        return min(max(BUCKET_ELEMENTS, 1e6 * config.dp * config.cp), stage_params(model, config, stage)[0]) * \
+            model.grad_bytes
+    return 0.0
+
+
+def layer_activation_bytes(model, config, recompute=None):
+    """Bytes one layer keeps for backward, per micro-batch (the module docstring's count; s = seq_len / cp, b the
+    micro-batch, t = tp with sequence parallel; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s ones (what
+    flash attention keeps anyway); full, the layer's input only, s b h e / t."""
+    s, b, h, t, e = model.seq_len / config.cp, config.micro_batch_size, model.dim, config.tp, model.activation_bytes
+    recompute = recompute or config.recompute
+    if recompute == "full":
+        return s * b * h * e / t
+    f = model.ffn_dim * (model.top_k * model.capacity_factor if model.moe else 1)  # a token's expert MLPs
+    kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
+    elements = 6 * h + 2 * model.kv_dim + kept_by_mlp * f  # norms' inputs 2h, QKV's input, Q, K, V, wo's, MLP's input
+    masks = 2 * h * model.dropout  # 1 byte per element
+    scores = 0
+    if recompute == "none" and not model.flash_attention:
+        scores = model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
+    return s * b * (elements * e + masks + scores) / t
+
+
+def logits_bytes(model, config):
+    """The last stage's fp32 logits of one micro-batch, 4 s b V / t (Korthikanti et al. 2022, section 4.2: the
+    output layer's cross entropy in fp32), s = seq_len / cp."""
+    return 4 * model.seq_len / config.cp * config.micro_batch_size * model.vocab_size / config.tp
+
+
+def micro_batches_in_flight(config, num_micro_batches, stage=0):
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak: 1F1B and ZB-H1 (W deferred, inputs'
+    gradients not) p - stage on rank `stage` (fewer if there are fewer); without a pipeline, gradient accumulation
+    keeps one (notebook 04). Interleaved: in pieces, not micro-batches; see pieces_in_flight."""
+    return min(config.pp - stage, num_micro_batches)
+
+
+def pieces_in_flight(config, num_micro_batches, stage=0):
+    """Interleaved 1F1B (utils.pipeline.interleaved_order): rank `stage` runs 2 (p - stage - 1) + (v - 1) p forwards
+    before its first backward, so it holds one more piece's activations at its peak: on the first rank p v + p - 1
+    pieces of L / (p v) layers, Korthikanti et al.'s L (1 + (p - 1) / (p v)). With v = 1, 1F1B's p - stage."""
+    p, v = config.pp, config.v
+    if v == 1:
+        return micro_batches_in_flight(config, num_micro_batches, stage)
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, num_micro_batches * v)
+
+
+def activation_bytes(model, config, num_micro_batches, stage=0):
+    """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
+    full recomputation, plus one layer recomputed in full during its backward; on the last rank, one micro-batch's
+    fp32 logits."""
+    pieces = rank_layers(model, config, stage) / config.v
+    kept = pieces_in_flight(config, num_micro_batches, stage) * pieces * layer_activation_bytes(model, config)
+    if config.recompute == "full":
+        kept += layer_activation_bytes(model, config, recompute="none")
+    return kept
+
+
+def memory_per_device(model, config, num_micro_batches, stage=0):
+    """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
+    bytes, on one device of pipeline rank `stage` (the first by default)."""
+    memory = model_state_bytes(model, config, stage)
+    memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
+    memory["logits"] = logits_bytes(model, config) * (stage == config.pp - 1)
+    memory["buffers"] = buffer_bytes(model, config, stage)
+    memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
+    memory["runtime"] = RUNTIME_BYTES
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def peak_memory(model, config, num_micro_batches):
+    """(stage, memory) of the pipeline rank that needs the most."""
+    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
+    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
+    candidates = {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
+    return max(((stage, memory_per_device(model, config, num_micro_batches, stage)) for stage in candidates),
+               key=lambda item: item[1]["total"])

@@ -1,0 +1,97 @@
+"""The search: every split that divides evenly, its memory per device (the stage that needs the most) and its
+step time; those that fit, fastest first."""
+import itertools
+
+from utils.planner.describe import GB, RECOMPUTE, Config, check_config
+from utils.planner.memory import peak_memory
+from utils.planner.step import _step_seconds
+
+SCHEDULE_CHOICES = (("1F1B", 1), ("interleaved", 2), ("interleaved", 4), ("ZB-H1", 1))
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configs(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
+            zero_stages=(1, 3), schedules=SCHEDULE_CHOICES):
+    """Every Config that check_config accepts, from the given choices."""
+    return [config for config, _ in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages,
+                                           schedules)]
+
+
+def _valid(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE, zero_stages=(1, 3),
+           schedules=SCHEDULE_CHOICES):
+    """(config, micro-batches) for every valid config. The sizes check_config would refuse are skipped by
+    arithmetic first (the search's cost is here: tests check that both agree); recomputation and the ZeRO stage
+    never make a split invalid. Without a pipeline, one schedule; ZB-H1 where m >= p (its formula's range)."""
+    n = cluster.num_devices
+    tps = [t for t in divisors(n) if model.num_heads % t == 0 and model.ffn_dim % t == 0
+           and (model.kv_heads % t == 0 or t % model.kv_heads == 0)]
+    cps = [c for c in divisors(n) if model.seq_len % c == 0]
+    pps = [p for p in divisors(n) if p <= model.num_layers]
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if n % (tp * pp * cp) or (model.seq_len // cp) % tp:
+            continue
+        dp = n // (tp * pp * cp)
+        eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0]
+        for ep, mbs, (schedule, v) in itertools.product(eps, micro_batch_sizes, schedules):
+            if (pp == 1 and (schedule, v) != schedules[0]) or pp * v > model.num_layers:
+                continue
+            if global_batch % (dp * mbs):
+                continue
+            m = global_batch // (dp * mbs)
+            if (schedule == "interleaved" and m % pp) or (schedule == "ZB-H1" and m < pp):
+                continue  # ZB-H1 below m = p is played exactly (estimate), too slowly for a search
+            for recompute, zero in itertools.product(recomputes, zero_stages):
+                yield Config(dp, tp, pp, cp, ep, mbs, recompute, zero, schedule, v), m
+
+
+def estimate(model, cluster, global_batch, config):
+    """One row of the plan: the config, its memory per device and its step time, as a dict."""
+    return _estimate(model, cluster, global_batch, config, check_config(model, cluster, global_batch, config))
+
+
+def _estimate(model, cluster, global_batch, config, m, only_fitting=False):
+    stage, memory = peak_memory(model, config, m)
+    row = dict(vars(config)) | {"micro_batches": m, "memory_gb": memory["total"] / GB, "memory_stage": stage,
+                                "fits": memory["total"] <= cluster.memory_bytes}
+    if only_fitting and not row["fits"]:
+        return None
+    seconds = _step_seconds(model, cluster, config, global_batch, m)
+    row |= {f"{k}_s": v for k, v in seconds.items() if k not in ("mfu", "flops_per_device")}
+    row["mfu"], row["tflops"] = seconds["mfu"], seconds["flops_per_device"] / 1e12
+    row["tokens_per_s"] = global_batch * model.seq_len / seconds["step"]
+    return row
+
+
+def estimates(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
+              zero_stages=(1, 3), schedules=SCHEDULE_CHOICES):
+    """A row for every valid configuration (the choices as `configs`'), fitting in memory or not."""
+    return [_estimate(model, cluster, global_batch, config, m)
+            for config, m in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages,
+                                    schedules)]
+
+
+def plan(model, cluster, global_batch, **choices):
+    """The configurations that fit in memory, fastest step first (ties: less memory first)."""
+    rows = [_estimate(model, cluster, global_batch, config, m, only_fitting=True)
+            for config, m in _valid(model, cluster, global_batch, **choices)]
+    return sorted((r for r in rows if r is not None), key=lambda r: (r["step_s"], r["memory_gb"]))
+
+
+COLUMNS = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "micro_batches", "schedule", "v", "recompute",
+           "zero_stage", "memory_gb", "step_s", "mfu", "compute_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "bubble_s")
+
+
+def format_rows(rows, columns=COLUMNS):
+    """A fixed-width table of the rows, numbers rounded: what a notebook prints."""
+    short = {"micro_batch_size": "mbs", "micro_batches": "m", "zero_stage": "zero", "recompute": "recomp",
+             "schedule": "sched"}
+    heads = [short.get(c, c) for c in columns]
+
+    def cell(v):
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+    table = [heads] + [[cell(r[c]) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in table)

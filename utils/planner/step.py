@@ -1,0 +1,158 @@
+"""Time per step: each layer's compute (compute.py) and the communication it does not hide, per micro-batch, on
+the slowest pipeline stage; the pipeline's bubble by schedule (notebook 11's functions); what the data axis does
+once per step; the optimizer.
+
+Overlap is decided layer by layer: a transfer hides behind the computation it runs beside, and what is longer
+than that computation is exposed.
+    tp  per layer, pass and column/row pair (2 per dense layer, 1 per MoE layer): an all-gather and a
+        reduce-scatter of the micro-batch's activations M = b (s/cp) h e (sequence parallel, notebook 09); exposed,
+        unless Config.tp_overlap, then what the layer's products do not hide.
+    cp  ring attention (notebook 09): keys and values of the rank's heads, K = 2 b (s/cp) kv/t e, hop cp - 1 times
+        forward, each hop beside one block of attention: exposed where the block is shorter than the hop; backward
+        cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
+        cp_mode "all_gather" (Llama 3): one all-gather of K forward, a reduce-scatter of its gradient backward,
+        exposed.
+    ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
+        (notebook 10), exposed.
+    pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04).
+    dp  FSDP (ZeRO-3), per micro-batch and layer: an all-gather forward, prefetched beside the previous layer's
+        forward; an all-gather and a reduce-scatter backward, beside the layer's backward; the first gather and the
+        last reduce-scatter exposed. ZeRO-2: the reduce-scatter per micro-batch (its gradients are sharded, so each
+        micro-batch's must leave before the next accumulates), ZeRO-0/1 once per step (all-reduce, reduce-scatter)
+        beside the last micro-batch's backward, layer by layer; ZeRO-1/2's all-gather of the updated weights beside
+        the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather).
+    bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
+        idle_slots below that (utils.pipeline, notebook 11). F, B, W: the slowest stage's forward, input-gradient
+        and weight-gradient times per micro-batch, their exposed communication included.
+    optimizer  Adam on the rank's shard: its states read and written, memory-bound.
+"""
+import functools
+
+from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
+from utils.planner.communication import collective_seconds, group_links
+from utils.planner.compute import layer_times, memory_bound_seconds, output_layer_seconds
+from utils.planner.describe import check_config, rank_layer_counts
+from utils.planner.memory import model_state_bytes
+
+
+def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
+    """The pipeline's idle time per step, on the slowest stage's times (forward F, input gradient B, weight
+    gradient W per micro-batch). 1F1B and interleaved: notebook 11's idle share, (p-1)/(m+p-1) and
+    (p-1)/(vm+p-1) of the step, scaled to these times; ZB-H1: Qi et al. 2023's (p-1)(F+B-W), which holds for
+    m >= p; below that the step is played exactly (idle_slots on zb_h1_order)."""
+    p, m, v = num_stages, num_micro_batches, num_virtual
+    busy = m * (forward + backward + weight)
+    if p == 1:
+        return 0.0
+    if schedule in ("1F1B", "interleaved"):
+        share = formula_idle_share(schedule, p, m, v)
+        return share / (1 - share) * busy
+    if m >= p:
+        return (p - 1) * max(forward + backward - weight, 0.0)
+    # the step's length is proportional to the times: played once per (p, m) and ratio of F and B to W, to 1% of W
+    scale = weight or forward or 1.0
+    return scale * _zb_h1_idle(p, m, round(forward / scale, 2), round(backward / scale, 2), weight / scale)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_h1_idle(p, m, forward, backward, weight):
+    orders = [zb_h1_order(stage, p, m) for stage in range(p)]
+    _, length = idle_slots(orders, durations={"F": forward, "B": backward, "W": weight})
+    return length - m * (forward + backward + weight)
+
+
+def step_seconds(model, cluster, config, global_batch):
+    """{compute, tp, cp, ep, pp, dp, bubble, optimizer, exposed, step, mfu, flops_per_device} for one step, seconds
+    (mfu: the model FLOPs of the step, without recomputation, over the devices' peak for its time)."""
+    return _step_seconds(model, cluster, config, global_batch, check_config(model, cluster, global_batch, config))
+
+
+def _step_seconds(model, cluster, config, global_batch, m):
+    c, links, lt = config, group_links(cluster, config), layer_times(model, cluster, config)
+    e, t = model.activation_bytes, config.tp
+
+    def on(group, op, size):
+        n, link = links[group]
+        return collective_seconds(op, n, size, link) if n > 1 else 0.0
+
+    tokens = c.micro_batch_size * model.seq_len // c.cp
+    activations = tokens * model.dim * e
+    full = c.recompute == "full"
+
+    # per layer and micro-batch: exposed communication, forward and backward
+    pair = on("tp", "all_gather", activations) + on("tp", "reduce_scatter", activations)
+    tp_pass = (1 if model.moe else 2) * pair
+    tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
+    tp_b = max(0.0, tp_pass - 2 * lt.matmul) if c.tp_overlap else tp_pass
+    kv_block = 2 * tokens * max(model.kv_dim // t, model.head_dim) * e
+    if c.cp_mode == "ring":
+        block = lt.attention / c.cp
+        hop, hop_back = on("cp", "send", kv_block), on("cp", "send", 2 * kv_block)
+        cp_f = (c.cp - 1) * max(0.0, hop - block)
+        cp_b = (c.cp - 1) * max(0.0, hop_back - 2 * block) + hop * (c.cp > 1)
+    else:
+        cp_f = on("cp", "all_gather", c.cp * kv_block)
+        cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
+    a2a = on("ep", "all_to_all", tokens / t * model.top_k * model.dim * e * model.capacity_factor) if model.moe else 0
+    ep_f = ep_b = 2 * a2a
+    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0}[c.recompute]
+
+    # the data axis, per layer (experts on their own copies' group)
+    n, _ = links["dp"]
+
+    def dp_layer(op, per_param, dense_params, expert_params):
+        expert_n, link = n // c.ep, links["dp"][1]
+        return (on("dp", op, dense_params / t * per_param)
+                + (collective_seconds(op, expert_n, expert_params / c.ep * per_param, link) if expert_n > 1 else 0))
+
+    layer_args = (model.layer_dense_params, model.layer_expert_params)
+    gather = dp_layer("all_gather", model.param_bytes, *layer_args)
+    reduce_op = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
+    reduce = dp_layer(reduce_op, model.grad_bytes, *layer_args)
+    forward_layer = lt.forward + tp_f + cp_f + ep_f
+    backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
+    if full:
+        backward_layer += tp_f + cp_f + ep_f
+    backward_layer += recomputed
+
+    def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
+        return layers * max(0.0, comm - beside)
+
+    pp_send = on("pp", "send", activations / t) if c.pp > 1 else 0.0
+    out_f, out_b = output_layer_seconds(model, cluster, c)
+    counts = rank_layer_counts(model.num_layers, c.pp, c.v)
+    fsdp = c.zero_stage == 3 and n > 1
+    stages = []
+    fullest = counts.index(max(counts))
+    for stage in sorted({0, fullest, c.pp - 1}):  # the others hold as many layers as `fullest`, nothing more
+        # per micro-batch: each group's exposed time, and F, B, W
+        layers, last = counts[stage], stage == c.pp - 1
+        part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
+                "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
+        dp_f = gather + hidden_behind(gather, lt.forward, layers - 1) if fsdp else 0.0
+        dp_b = hidden_behind(gather + reduce, backward_layer, layers) + reduce if fsdp else 0.0
+        if c.zero_stage == 2 and n > 1:
+            dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
+        part["dp"] = dp_f + dp_b
+        part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
+        part["W"] = layers * lt.weight_grad + out_b / 2 * last
+        part["B"] = layers * backward_layer - part["W"] + out_b + c.v * pp_send + dp_b
+        part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
+        stages.append((layers, part))
+    layers, part = max(stages, key=lambda item: item[1]["F"] + item[1]["B"] + item[1]["W"])
+
+    seconds = {group: m * part[group] for group in ("compute", "tp", "cp", "ep", "pp", "dp")}
+    seconds["bubble"] = bubble_seconds(c.schedule, c.pp, m, c.v, part["F"], part["B"], part["W"])
+    if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights
+        if c.zero_stage <= 1:
+            seconds["dp"] += hidden_behind(reduce, backward_layer, layers) + reduce
+        if c.zero_stage in (1, 2):
+            seconds["dp"] += hidden_behind(gather, lt.forward, layers) + gather
+    shard = sum(model_state_bytes(model, c, 0).values())  # read and written by Adam
+    seconds["optimizer"] = memory_bound_seconds(2 * shard, cluster)
+    seconds["exposed"] = seconds["dp"] + seconds["cp"]
+    seconds["step"] = sum(seconds[k] for k in ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer"))
+    model_flops = model.flops_per_token() * global_batch * model.seq_len
+    seconds["flops_per_device"] = model_flops / cluster.num_devices / seconds["step"]
+    seconds["mfu"] = seconds["flops_per_device"] / cluster.peak_flops
+    return seconds
