@@ -1,8 +1,8 @@
 """The published runs (utils/planner_runs.py): every record is well formed, its conversion reproduces the numbers
 its source prints next to it, and the planner's agreement with the table, against issue 41's targets.
 
-The targets are constants at the top; the agreement tests are expected to fail with today's planner
-(xfail, not strict) until the cost model of issue 41 lands: the lead sets them strict then."""
+The targets are constants at the top; those the planner does not meet yet are xfail (not strict), with what misses
+them stated above UNTIL_ISSUE_41."""
 import dataclasses
 import math
 
@@ -16,7 +16,11 @@ LAYOUT_WITHIN, LAYOUT_SHARE = 0.10, 0.80  # the published split within 10% of th
 TRAINED_FIT_SHARE = 1.0  # every layout that ran fits
 OOM_SHARE = 1.0  # every layout reported out of memory is predicted out of memory
 EXPRESSED_SHARE = 1.0  # every run is expressible
-UNTIL_ISSUE_41 = pytest.mark.xfail(reason="until the cost model of issue 41 lands", strict=False)
+# Not yet met by the roofline cost model (issue 41 is open): 63% of the runs within 15% (MT-NLG, the ZeRO-3 runs,
+# torchtitan's 8B FSDP and BLOOM predicted 1.2-1.5x faster than reported); torchtitan's 8B on FSDP 8 predicted out of
+# memory (108 GB, 88 reported); DeepSeek-V3 not expressible (latent attention, shared experts, DualPipe).
+UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
+                                   strict=False)
 
 RUNS = {run.name: run for run in pr.RUNS}
 
@@ -121,8 +125,8 @@ def test_deepseek_gpu_hours_give_its_days_per_trillion_tokens():
 def test_parameter_counts_match_the_sources():
     assert abs(pr.num_params(RUNS["bloom 176B"].shape) / 176_247e6 - 1) < 1e-3  # BLOOM's 176,247M (no biases here)
     for name, billions in (("1.7B", 1.7), ("7.5B", 7.5), ("145.6B", 145.6), ("1008.0B", 1008.0)):
-        shape = RUNS[f"megatron21 {name}"].shape  # Table 1's counts (tied, plus learned positions: 2048 h)
-        assert round((pr.num_params(shape) + 2048 * shape.dim) / 1e9, 1) == billions, name
+        shape = RUNS[f"megatron21 {name}"].shape  # Table 1's counts (tied, learned positions, biases)
+        assert round(pr.num_params(shape) / 1e9, 1) == billions, name
 
 
 def test_tokens_per_second_and_batches_as_printed():
@@ -165,7 +169,7 @@ def test_fields_the_planner_lacks_are_named():
     lacks = pr.lacking_fields(RUNS["torchtitan 405B Interleaved 1F1B"])
     fields = {f.name for cls in (pl.Model, pl.Config) for f in dataclasses.fields(cls)}
     assert set(lacks).isdisjoint(fields)
-    assert {"virtual_stages", "float8"} - fields <= set(lacks)
+    assert lacks == ["float8"]  # interleaving is the planner's schedule="interleaved", v=2
 
 
 # ---------------------------------------------------------------- agreement: issue 41's targets
@@ -185,7 +189,6 @@ def test_every_trained_layout_fits(rows):
     assert pr.agreement(rows)["trained_fit"] >= TRAINED_FIT_SHARE, pr.format_validation(rows)
 
 
-@UNTIL_ISSUE_41
 def test_every_reported_out_of_memory_is_predicted(rows):
     assert pr.agreement(rows)["oom_predicted"] >= OOM_SHARE, pr.format_validation(rows)
 

@@ -18,16 +18,17 @@ GIB = 2**30
 
 # ---------------------------------------------------------------- GPUs and networks, each number with its source
 
-# dense bf16 peak FLOP/s; memory; NVLink per GPU per direction (NVIDIA's data sheets give both directions: half)
+# Each record's GPU as the planner's device (utils/planner/describe.py holds the constants and their sources) and
+# what differs from it: memory; torchtitan's Grand Teton H100s have 96 GB of HBM (its docs take the SXM peak for
+# MFU); the H800 is an H100 whose NVLink is cut to 400 GB/s both ways (DeepSeek-V3, section 3.1: 160 GB/s reached).
 GPUS = {
-    "A100-40GB": {"peak_flops": 312e12, "memory_bytes": 40 * GIB, "nvlink": 300e9},
-    "A100-80GB": {"peak_flops": 312e12, "memory_bytes": 80 * GIB, "nvlink": 300e9},
-    "H100-80GB": {"peak_flops": 989e12, "memory_bytes": 80 * GIB, "nvlink": 450e9},
-    # torchtitan's Grand Teton H100s: 96 GB HBM2e, 500 W; its docs take the SXM peak (989) for MFU
-    "H100-96GB": {"peak_flops": 989e12, "memory_bytes": 96 * GIB, "nvlink": 450e9},
-    "H800-80GB": {"peak_flops": 989e12, "memory_bytes": 80 * GIB, "nvlink": 200e9},  # NVLink cut to 400 GB/s
+    "A100-40GB": ("A100 80GB", {"memory_bytes": 40 * GIB}),
+    "A100-80GB": ("A100 80GB", {}),
+    "H100-80GB": ("H100 SXM", {}),
+    "H100-96GB": ("H100 SXM", {"memory_bytes": 96 * GIB}),
+    "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=3e-6, beta=0.8 * 200e9)}),
 }
-ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message: assumed, as in tests/test_planner.py
+ALPHA_INTER = 10e-6  # seconds per message between nodes, as the planner's devices take it
 
 
 # ---------------------------------------------------------------- a record
@@ -49,6 +50,7 @@ class Shape:
     num_experts: int = 1
     top_k: int = 1
     name: str = "model"
+    gpt3: bool = False  # GPT-3's layer as Megatron ran it in 2021-22: biases, learned positions, dropout, no flash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +114,9 @@ def megatron_model_flops(shape, batch):
 
 
 def num_params(shape):
-    """The model's parameters, as the planner counts them (weights only, no biases), the output layer once if tied."""
-    model = planner_model(shape)
-    untied_here = shape.tied and not getattr(model, "tied", False)  # a planner without the flag counts it twice
-    return model.num_params - untied_here * shape.vocab_size * shape.dim
+    """The model's parameters, as the planner counts them (GPT-3's biases and learned positions included where the
+    record is GPT-3-shaped), the output layer once if tied."""
+    return planner_model(shape).num_params
 
 
 def six_p_flops(shape, batch):
@@ -173,34 +174,34 @@ MLP_MATRICES = {"gelu": 2, "relu": 2, "relu2": 2, "swiglu": 3}
 
 
 def planner_model(shape, with_missing=False):
+    gpt3 = {"biases": True, "learned_positions": True, "dropout": True, "flash_attention": False} if shape.gpt3 else {}
     model, missing = _known(pl.Model, num_layers=shape.num_layers, dim=shape.dim, num_heads=shape.num_heads,
                             ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
                             num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
-                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name,
-                            **({"tied": True} if shape.tied else {}))
+                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3)
     return (model, missing) if with_missing else model
 
 
 def planner_cluster(run, with_missing=False):
-    gpu = GPUS[run.gpu]
-    cluster, missing = _known(pl.Cluster, num_devices=run.num_devices, devices_per_node=run.devices_per_node,
-                              memory_bytes=gpu["memory_bytes"], intra=pl.Link(ALPHA_INTRA, gpu["nvlink"]),
-                              inter=pl.Link(ALPHA_INTER, run.inter_gbps * 1e9 / 8), peak_flops=gpu["peak_flops"],
-                              **({"gpu": run.gpu} if "gpu" in {f.name for f in dataclasses.fields(pl.Cluster)}
-                                 else {}))
-    return (cluster, missing) if with_missing else cluster
+    """The planner's cluster of the record's GPUs, with the record's own network between nodes (Gb/s per GPU,
+    0.9 of it reached by collectives, as the planner assumes of InfiniBand)."""
+    name, changes = GPUS[run.gpu]
+    inter = pl.Link(ALPHA_INTER, 0.9 * run.inter_gbps * 1e9 / 8)
+    cluster = pl.cluster(name, run.num_devices, devices_per_node=run.devices_per_node, inter=inter, **changes)
+    return (cluster, []) if with_missing else cluster
 
 
 def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stages, with_missing=False):
-    extra = {}
-    if virtual_stages and virtual_stages > 1:
-        extra["virtual_stages"] = virtual_stages
-    if layout.stage_layers:
-        extra["stage_layers"] = layout.stage_layers
+    """The planner's Config; an uneven split of layers other than the planner's own rule, and float8, are what the
+    planner cannot take (listed with with_missing=True)."""
+    interleaved = {"schedule": "interleaved", "v": virtual_stages} if virtual_stages and virtual_stages > 1 else {}
+    config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                       micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage, **interleaved)
+    missing = []
+    if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
+        missing.append("stage_layers")
     if layout.float8:
-        extra["float8"] = True
-    config, missing = _known(pl.Config, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                             micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage, **extra)
+        missing.append("float8")
     return (config, missing) if with_missing else config
 
 
@@ -330,10 +331,11 @@ NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Train
 SELENE = 200  # Gb/s per GPU: "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs" per 8-GPU node (MT-NLG, section 2)
 
 
-def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True):
+def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt3=True):
     """Megatron's GPT: a 4h GELU MLP, learned positions, tied embeddings; sequence 2048, vocabulary 51,200 (all of
-    Narayanan et al. 2021's and Korthikanti et al. 2022's models)."""
-    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, name=name)
+    Narayanan et al. 2021's and Korthikanti et al. 2022's models). gpt3=False: Megatron-Core's of 2024, whose
+    attention is flash attention (Transformer Engine)."""
+    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, gpt3=gpt3, name=name)
 
 
 def _narayanan_table1():
@@ -549,7 +551,7 @@ def _megatron_core_h100():
             ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9)]
     return [Run(f"megatron24 {name}", f"NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability', "
                 f"images/model_table.png, row {name}",
-                gpt(name, heads, dim, layers, seq_len=4096, vocab_size=131072), "H100-80GB", gpus, 400,
+                gpt(name, heads, dim, layers, seq_len=4096, vocab_size=131072, gpt3=False), "H100-80GB", gpus, 400,
                 Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None),
                 tflops, flops="megatron_model",
                 assumptions=("GPT with a 4h GELU MLP and tied embeddings (Megatron's defaults; the README names "
