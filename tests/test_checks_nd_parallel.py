@@ -96,6 +96,31 @@ MISTAKES = {
     "whole weights averaged over the tensor group": (
         {ALL_REDUCE: ALL_REDUCE + "            grad /= dist.get_world_size(tensor_group)\n"},
         "averaged over the tensor group \\(divided by 2\\)"),
+    # students' list: right values, the wrong collective or the wrong order, named with their bytes
+    "all-reduce on the data group, a slice kept": (
+        {"        grad = torch.empty_like(shards[name])\n"
+         f"        {REDUCE_SCATTER}\n":
+         "        whole = p.grad.clone()\n        dist.all_reduce(whole, group=data_group)\n"
+         "        grad = fsdp.shard(whole, dist.get_rank(data_group), data_parallel)\n"},
+        "all-reduced on the data group and a slice of them kept: FSDP's reduce-scatter written as an all-reduce. The "
+        "values are right, but every rank receives and holds the whole gradient \\(\\d+ bytes handed to the "
+        "all-reduces\\), 2 times the shard it keeps; .* Use a reduce-scatter"),
+    "the tensor group's all-reduce before the reduce-scatter": (
+        {"        grad = torch.empty_like(shards[name])\n"
+         f"        {REDUCE_SCATTER}\n"
+         "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
+         SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
+         + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"},
+        "all-reduced over the tensor group BEFORE FSDP's reduce-scatter: the values are right, but that all-reduce "
+        "moves whole gradients \\(\\d+ bytes handed to it\\) where, after the reduce-scatter, it moves the shards "
+        "\\(\\d+ bytes, 1/2, \\+\\d+% on the tensor group's step\\)"),
+    "the reduce-scatter's input not flattened and padded": (
+        {"fsdp.flat_padded(p.grad, data_parallel)": "p.grad"},
+        "sync_gradients raised RuntimeError: .*: reduce_scatter_single's input must hold data-size times its "
+        "output's elements"),
+    "shards looked up by a name of its own": (
+        {"        shards[name].grad = grad\n": "        shards[name.split('.')[-1]].grad = grad\n"},
+        "sync_gradients raised KeyError: 'weight': shards is keyed by the names of model.named_parameters"),
 }
 
 
@@ -104,9 +129,10 @@ def check_2d(module, **kwargs):
     check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4, **kwargs)
 
 
-# about 1.5 s each: the first five (the classic bugs) run by default, the rest under pytest -m slow
+# about 1 s each: the classic bugs and the students' list run by default, the rest under pytest -m slow
 SLOW = ("not divided", "FSDP on the tensor group", "whole weights all-reduced on the data group",
-        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group")
+        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group",
+        "the reduce-scatter's input not flattened and padded", "shards looked up by a name of its own")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MISTAKES])
@@ -124,15 +150,14 @@ def test_2d_right_only_on_the_default_mesh_is_named():
         check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
 
 
-def test_2d_all_reduce_first_then_the_librarys_reduce_scatter_passes(capsys):
-    """The other order (the whole gradient summed over the tensor group first: D times the bytes), then FSDP's
-    mean with utils.fsdp.reduce_scatter_mean on the data group."""
+def test_2d_the_librarys_reduce_scatter_then_a_sum_op_passes(capsys):
+    """The right order written another way: FSDP's mean with utils.fsdp.reduce_scatter_mean on the data group, then
+    the whole weights' shards summed over the tensor group in place."""
     module = solution(NAME, replace={
         "        grad = torch.empty_like(shards[name])\n"
         f"        {REDUCE_SCATTER}\n"
-        "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
-        SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
-        + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"})
+        "        grad /= data_parallel\n": "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n",
+        ALL_REDUCE: ALL_REDUCE.replace("group=tensor_group", "op=dist.ReduceOp.SUM, group=tensor_group")})
     check_2d(module)
     assert "equal one process's" in capsys.readouterr().out
 

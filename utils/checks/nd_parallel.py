@@ -175,8 +175,57 @@ WRONG_GROUP = {
 }
 
 
+def _sync_problem(run, mesh):
+    """The sync's collectives right in values but not in kind or order, in words with their bytes, or None: FSDP's
+    reduce-scatter written as an all-reduce on the data group (a slice kept), or the tensor group's all-reduce of
+    the whole weights made before the reduce-scatter (whole gradients, not shards)."""
+    data_parallel, _ = mesh
+    sync = [("reduce-scatter" if name.startswith("reduce_scatter") else "all-reduce" if name == "all_reduce" else name,
+             group) for name, group in run.calls["sync"]]
+    where = f"on mesh (data, tensor) = {mesh}, rank {run.coordinate}"
+    counts = run.counts or {}
+    if data_parallel > 1 and ("all-reduce", "data") in sync and ("reduce-scatter", "data") not in sync:
+        handed = counts.get(("data", "all_reduce"), (0, 0))[1]
+        ring = f"{2 * (data_parallel - 1) * handed // data_parallel} bytes" if handed else "2(D-1)/D of them"
+        half = f"{(data_parallel - 1) * handed // data_parallel} bytes" if handed else "(D-1)/D"
+        return (f"{where}: the gradients were all-reduced on the data group and a slice of them kept: FSDP's "
+                f"reduce-scatter written as an all-reduce. The values are right, but every rank receives and holds "
+                f"the whole gradient ({handed} bytes handed to the all-reduces), {data_parallel} times the shard it "
+                f"keeps; on a ring an all-reduce sends {ring} per rank, a reduce-scatter half ({half}). Use a "
+                f"reduce-scatter (dist.reduce_scatter_single into the shard): on gloo both cost an all-reduce "
+                f"(notebook 01), on NCCL the reduce-scatter costs half")
+    scatters = [i for i, call in enumerate(sync) if call == ("reduce-scatter", "data")]
+    sums = [i for i, call in enumerate(sync) if call == ("all-reduce", "tensor")]
+    if data_parallel > 1 and scatters and sums and sums[0] < scatters[0]:
+        handed = counts.get(("tensor", "all_reduce"), (0, 0))[1]
+        shards = sum(g.numel() * g.element_size() for name, g in (run.synced or {}).items()
+                     if g is not None and not nd.sharded_over_tensor(name))
+        total = sum(nbytes for (group, _), (_, nbytes) in counts.items() if group == "tensor")
+        extra = f", +{100 * (handed - shards) / (total - handed + shards):.0f}% on the tensor group's step" \
+            if shards and total else ""
+        return (f"{where}: the whole weights' gradients were all-reduced over the tensor group BEFORE FSDP's "
+                f"reduce-scatter: the values are right, but that all-reduce moves whole gradients ({handed} bytes "
+                f"handed to it) where, after the reduce-scatter, it moves the shards ({shards} bytes, 1/{data_parallel}"
+                f"{extra}). Reduce-scatter first, then all-reduce the shard")
+    return None
+
+
+def _error_hint(error):
+    """What in sync_gradients caused the library's error `error` (a line of text), or ''."""
+    if "outputShape[0] * worldSize == inputShape[0]" in error or "split" in error or "size" in error:
+        return (": reduce_scatter_single's input must hold data-size times its output's elements: the input "
+                "fsdp.flat_padded(p.grad, D) (the whole gradient flattened, padded to D shards), the output a tensor "
+                "of the shard's size (torch.empty_like(shards[name]))")
+    if "KeyError" in error:
+        return ": shards is keyed by the names of model.named_parameters(), as they are"
+    return ""
+
+
 def _group_problem(run, mesh):
     """The first collective on a wrong group, in words (a hint when the groups differ on this mesh), or None."""
+    sync = _sync_problem(run, mesh)
+    if sync:
+        return sync
     data_parallel, tensor_parallel = mesh
     used = [("tensor parallel", group) for phase in ("forward", "backward") for _, group in run.calls[phase]]
     used += [("unshard", group) for _, group in run.calls["unshard"]]
@@ -296,7 +345,8 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
         runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
                      timeout=CHECK_TIMEOUT)
         problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
-            (f"on mesh {mesh}, rank {run.coordinate}: {run.error}" for run in runs if run.error), None) or \
+            (f"on mesh {mesh}, rank {run.coordinate}: {run.error.rstrip(' .')}{_error_hint(run.error)}" for run in runs
+             if run.error), None) or \
             _gradient_problem(runs, mesh, grads)
         if problem and passed:
             problem += (f" (right on mesh {passed[0]}, wrong on {mesh}: is a size of one mesh written in? Take each "

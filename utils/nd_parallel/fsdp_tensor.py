@@ -164,7 +164,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
                 run.unsynced = {name: p.grad.clone() for name, p in model.named_parameters()}
             try:
                 sync_gradients(model, shards.shards, groups["tensor"], groups["data"])
-            except RuntimeError as e:  # a collective refused its tensors (a shard's size for another group)
+            except Exception as e:  # a collective refused its tensors (a shard's size for another group), a key
                 run.error = f"sync_gradients raised {type(e).__name__}: {str(e).splitlines()[0]}"
             mark("sync")
             if run.error:
