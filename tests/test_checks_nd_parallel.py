@@ -294,11 +294,33 @@ CP_MISTAKES = {
     "the context group's mean taken twice": (
         {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
          "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel / dist.get_world_size(context)"},
-        "the context group's mean was taken twice"),
+        "divided by C = 2 as well as by T: the context group's mean is taken once"),
+    # students' list: on (2, 2) this doubled the gradients as a sum over the context group does, and was named so
+    "the loss share not divided by T": (
+        {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+         "    loss = lm_loss(model(inputs, positions), targets)"}, "the loss share returned at the first step is "
+        "\\S+, one process's \\S+: not divided by T"),
+    "the sync's mean left out: a sum over the context group": (
+        {"        grad /= data_parallel\n": ""}, "summed over the context group, not averaged"),
+    # equal to the right answer on (2, 2): the check's second mesh, (4, 1), tells them apart
+    "the loss share divided by C instead of T": (
+        {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+         "    loss = lm_loss(model(inputs, positions), targets) / dist.get_world_size(context)"},
+        "on mesh \\(context, tensor\\) = \\(4, 1\\), .*divided by the context size C = 4 instead of the tensor "
+        "size T = 1.*right on mesh \\(2, 2\\)"),
+    "the chunks' positions counted by the tensor size": (
+        {"    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(context))[dist.get_rank(context)]":
+         "    positions = ra.chunk_positions(model.sizes.seq_len, tensor_parallel)[dist.get_rank(context)]"},
+        "on mesh \\(context, tensor\\) = \\(4, 1\\): train_step raised IndexError: list index out of range, at "
+        "`positions = .*`: ra.chunk_positions\\(seq_len, C\\) has one chunk per CONTEXT rank"),
 }
 
 
-@pytest.mark.parametrize("mistake", CP_MISTAKES)
+CP_SLOW = ("the sync's mean left out: a sum over the context group", "the chunks' positions counted by the tensor size")
+
+
+@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in CP_SLOW else m
+                                     for m in CP_MISTAKES])
 def test_cp_mistakes_are_named(mistake):
     replace, hint = CP_MISTAKES[mistake]
     wrong = solution(NAME, replace=replace)

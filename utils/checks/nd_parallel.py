@@ -486,8 +486,42 @@ def mesh_cp(world_size):
     return nd.default_mesh(world_size, nd.MESH_CP)
 
 
-def _cp_problem(runs, mesh, sizes, grads):
-    """The first wrong positions or gradient shard of the first step, in words, or None."""
+def cp_loss_shares(sizes, mesh, seed=0):
+    """{(c, t): rank (c, t)'s loss share at the first step}, one process's: the mean of its tokens' losses (its
+    context chunk's tensor part of every sequence) divided by T, so that a data rank's shares add up to its loss."""
+    from utils.nd_parallel.context import cp_tokens
+
+    model, (inputs, targets) = build_transformer(sizes, seed), make_tokens(sizes, seed, 0)
+    with torch.no_grad():
+        logits = model(inputs)
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    per_token = per_token.view(targets.shape)
+    context_parallel, tensor_parallel = mesh
+    return {(c, t): cp_tokens(per_token, per_token, ((c, t), mesh))[0].mean().item() / tensor_parallel
+            for c in range(context_parallel) for t in range(tensor_parallel)}
+
+
+def _cp_loss_problem(run, mesh, share):
+    """This rank's first loss share against one process's, in words naming the count it was divided by, or None."""
+    context_parallel, tensor_parallel = mesh
+    got = run.losses[0] if run.losses else None
+    if got is None or abs(got - share) <= 1e-12:
+        return None
+    where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: the loss share returned at the first step"
+    fits = [(tensor_parallel, "not divided by T: the loss share is lm_loss of this rank's tokens / T (the tensor "
+                             "group's size, nd.loss_share's integer), so that a tensor group's shares add up to the "
+                             "context rank's loss"),
+            (tensor_parallel / context_parallel, f"divided by the context size C = {context_parallel} instead of the "
+                                                f"tensor size T = {tensor_parallel}: the loss share is divided by T; "
+                                                f"the context group's mean is the sync's (its reduce-scatter's / C)"),
+            (1 / context_parallel, f"divided by C = {context_parallel} as well as by T: the context group's mean is "
+                                   f"taken once, by the sync")]
+    hint = "; or ".join(h for factor, h in fits if factor != 1 and abs(got - factor * share) <= 1e-12)
+    return f"{where} is {got:.12g}, one process's {share:.12g}" + (f": {hint}" if hint else "")
+
+
+def _cp_problem(runs, mesh, sizes, grads, seed=0):
+    """The first wrong positions, loss share or gradient shard of the first step, in words, or None."""
     from utils import ring_attention as ra
 
     context_parallel, tensor_parallel = mesh
@@ -500,6 +534,10 @@ def _cp_problem(runs, mesh, sizes, grads):
                     "(ra.chunk_positions(seq_len, C)[c]), or its queries and keys rotate as if every chunk started "
                     "the sequence" if run.positions == list(range(len(chunks[c]))) else "")
             return f"{where}: the attention saw positions {run.positions}, expected {chunks[c].tolist()}{hint}"
+    shares = cp_loss_shares(sizes, mesh, seed)
+    problem = next((p for run in runs if (p := _cp_loss_problem(run, mesh, shares[run.coordinate]))), None)
+    if problem:
+        return problem
     return _first_wrong_shard(runs, mesh, ("context", "tensor"), grads, "train_step", lambda run, name, want: [
         (want / context_parallel, f"it is {context_parallel} times too small: the context group's mean was taken "
                                   f"twice (the loss divided by the context size, and the sync's reduce-scatter "
@@ -511,7 +549,7 @@ def _cp_problem(runs, mesh, sizes, grads):
 def _cp_count_problem(run, mesh, want):
     """One rank's calls of the first step against nd.formula_calls_cp, in words (naming FSDP's collectives on the
     tensor group when the counts show them there), or None."""
-    got = {k: calls for k, (calls, _) in run.counts.items()}
+    got = {k: calls for k, (calls, _) in run.counts.items() if k[0] != "tensor" or mesh[1] > 1}  # a group of one
     if got == want:
         return None
     where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: calls per step {got}, expected {want}"
@@ -525,33 +563,54 @@ def _cp_count_problem(run, mesh, want):
     return where
 
 
-def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
-    """Train on the (context, tensor) mesh of `world_size` ranks ((2, 2) on 4): the ring's sends on the context
-    group and every collective on its group (refused on the rank before it runs), the calls counted against
-    nd.formula_calls_cp, the positions RoPE saw, the first step's gradient shards, then losses and weights after
-    `num_steps` AdamW steps, against one process (1e-12)."""
+def cp_meshes(world_size):
+    """The (context, tensor) meshes the check trains on: (2, 2) on 4 ranks, then (4, 1) for one step, where the
+    context and tensor sizes differ (on (2, 2) a division by the one instead of the other gives the same numbers)."""
+    mesh = mesh_cp(world_size)
+    other = (world_size, 1)
+    return [mesh] + ([other] if other != mesh and world_size > 2 else [])
+
+
+def _train_cp(parallelize, train_step, n, sizes, mesh, num_steps, seed):
+    """The ranks' RunCP on `mesh`, a rank's refused call (CompositionMistake) raised as an AssertionError."""
     from utils.launch import RankError
 
-    (n,) = runnable_world_sizes([world_size])
-    mesh = mesh_cp(n)
-    nd.check_sizes_cp(sizes, mesh, n)  # a ValueError names what does not split, before any rank starts
-    weights, losses = train_transformer_reference(sizes, num_steps, seed)
     try:
-        runs = spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed,
-                     timeout=CHECK_TIMEOUT)
+        return spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed, timeout=CHECK_TIMEOUT)
     except RankError as e:
         if "CompositionMistake" in e.summary:
             raise AssertionError(f"on mesh (context, tensor) = {mesh}: "
                                  + e.summary.split("CompositionMistake: ", 1)[-1]) from None
         raise
-    want_calls = nd.formula_calls_cp(sizes, mesh)
-    problem = next((p for run in runs if (p := _cp_count_problem(run, mesh, want_calls))), None) or \
-        _cp_problem(runs, mesh, sizes, reference_gradients(sizes, seed))
-    if problem:
-        raise AssertionError(problem)
-    _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
-                   nd.global_losses(runs, mesh[0]), weights, losses, mesh)
-    print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}, {sizes.seq_len} tokens: the "
-          f"ring on the context group, every call counted as the formulas say, RoPE at global positions; every "
-          f"gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps equal one "
-          f"process's (1e-12)")
+
+
+def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
+    """Train on the (context, tensor) mesh of `world_size` ranks ((2, 2) on 4): the ring's sends on the context
+    group and every collective on its group (refused on the rank before it runs), the calls counted against
+    nd.formula_calls_cp, the positions RoPE saw, each rank's loss share and the first step's gradient shards, then
+    losses and weights after `num_steps` AdamW steps, against one process (1e-12); then the first step on (4, 1),
+    where the context and tensor sizes differ."""
+    (n,) = runnable_world_sizes([world_size])
+    meshes_cp = cp_meshes(n)
+    for mesh in meshes_cp:
+        nd.check_sizes_cp(sizes, mesh, n)  # a ValueError names what does not split, before any rank starts
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    grads = reference_gradients(sizes, seed)
+    for k, mesh in enumerate(meshes_cp):
+        runs = _train_cp(parallelize, train_step, n, sizes, mesh, num_steps if k == 0 else 1, seed)
+        want_calls = nd.formula_calls_cp(sizes, mesh)
+        problem = next((p for run in runs if (p := _cp_count_problem(run, mesh, want_calls))), None) or \
+            _cp_problem(runs, mesh, sizes, grads, seed)
+        if problem and k > 0:
+            problem += (f" (right on mesh {meshes_cp[0]}, where the context and tensor sizes are equal: is one "
+                        f"group's size used for the other's?)")
+        if problem:
+            raise AssertionError(problem)
+        if k == 0:
+            _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
+                           nd.global_losses(runs, mesh[0]), weights, losses, mesh)
+    mesh, others = meshes_cp[0], "".join(f" and {m} for the first step" for m in meshes_cp[1:])
+    print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}{others}, {sizes.seq_len} tokens: "
+          f"the ring on the context group, every call counted as the formulas say, RoPE at global positions, each "
+          f"rank's loss share; every gradient shard of the first step, the losses and the weights after {num_steps} "
+          f"AdamW steps equal one process's (1e-12)")
