@@ -391,6 +391,8 @@ def _count_problem(run, sizes, mesh, num_micro_batches):
     want = nd.formula_calls_3d(sizes, mesh, num_micro_batches, run.coordinate[1])
     got = {}
     for (group, name), (calls, _) in run.counts.items():
+        if group == "tensor" and mesh[2] == 1:  # a group of one rank: its calls move nothing
+            continue
         name = {"send": "isend", "irecv": "recv"}.get(name, name)  # blocking or not: the same hand-off
         got[group, name] = got.get((group, name), 0) + calls
     if got == want:
@@ -405,21 +407,58 @@ def _count_problem(run, sizes, mesh, num_micro_batches):
     return where
 
 
-def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches):
+def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches, per_micro_batch_ruled_out=False):
+    """The first wrong gradient shard, in words. `per_micro_batch_ruled_out`: an earlier mesh with T = 1 and the same
+    micro-batches passed, so a factor T is the division by T, not by m."""
     data_parallel, _, tensor_parallel = mesh
     m = num_micro_batches
+    not_by_m = (f"the loss of each micro-batch was not divided by the number of micro-batches ({m}): the step's loss "
+                f"is their mean")
+    not_by_t = (f"the loss share was not divided by T = {tensor_parallel} (nd.loss_share(model, x, targets, T, seq_len)"
+                f" takes the tensor group's size): a tensor group's shares add up to the data rank's loss")
 
     def mistakes(run, name, want):
         kept = _expected_shard(last[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
-        return [(m * want, f"it is {m} times too large: the loss of each micro-batch was not divided by the number "
-                           f"of micro-batches ({m}): the step's loss is their mean"),
-                (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
-                           "zero the gradients between micro-batches"),
-                (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
-                       "micro-batches)")]
+        scaled = []
+        if tensor_parallel > 1:
+            scaled.append((tensor_parallel * want, f"it is {tensor_parallel} times too large: " + (
+                not_by_t if per_micro_batch_ruled_out or tensor_parallel != m else f"{not_by_m}; or {not_by_t} (on "
+                f"this mesh both give the same numbers)")))
+        return scaled + [
+            (m * want, f"it is {m} times too large: {not_by_m}"),
+            (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
+                       "zero the gradients between micro-batches"),
+            (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
+                   "micro-batches)")]
 
     return _first_wrong_shard(runs, mesh, ("data", "pipeline", "tensor"), grads, "train_step", mistakes,
                               names=lambda run: run.names, plane=lambda coordinate: coordinate[::2])
+
+
+def _order_problem(run, mesh, num_micro_batches):
+    """A stage's forwards and backwards (F, B) in another order than 1F1B's table, in words with the micro-batches
+    it held at once, or None."""
+    from utils import pipeline as pp
+
+    stage, num_stages = run.coordinate[1], mesh[1]
+    want = [kind for kind, _ in pp.one_f_one_b_order(stage, num_stages, num_micro_batches)]
+    if run.order is None or run.order == want:
+        return None
+
+    def peak(order):
+        alive = [order[:k + 1].count("F") - order[:k + 1].count("B") for k in range(len(order))]
+        return max(alive, default=0)
+
+    warm_up = next((k for k, kind in enumerate(run.order) if kind == "B"), len(run.order))
+    want_warm_up = want.index("B")
+    return (f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}: stage {stage} ran "
+            f"{' '.join(run.order)}, 1F1B's table (pp.one_f_one_b_order({stage}, {num_stages}, {num_micro_batches})) "
+            f"says {' '.join(want)}: " + (
+                f"{warm_up} forward(s) before its first backward where 1F1B's stage {stage} of {num_stages} runs "
+                f"{want_warm_up} (a warm-up of P - s - 1 = {num_stages - stage - 1}, then one forward and one backward "
+                f"in turn); " if warm_up != want_warm_up else "")
+            + f"it held {peak(run.order)} micro-batches' activations at once instead of {peak(want)}. The values "
+              f"are the same; the schedule, and its memory, are not: run the table's order")
 
 
 def _unpaired_hint(unpaired, mesh, num_micro_batches):
@@ -435,21 +474,24 @@ def _unpaired_hint(unpaired, mesh, num_micro_batches):
             f"their gradients the other way, as many")
 
 
-def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
-                      num_steps=NUM_STEPS, seed=0):
-    """Train on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on 8) with 1F1B over
-    `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group (refused on the
-    rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d, the first step's
-    gradient shards, then losses and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
+    """The (data, pipeline, tensor) meshes the check trains on, as (world size, mesh): first (2, 2, 1) on 4 ranks for
+    one step, where the pipeline neighbour is 1 rank away and the data, pipeline and tensor sizes are not all equal
+    (on (2, 2, 2) a stride taken from the wrong size, or a division by T instead of m, gives the same numbers);
+    then the world's mesh ((2, 2, 2) on 8)."""
+    mesh, extra = mesh_3d(world_size), (2, 2, 1)
+    fits = sizes.batch_size % (2 * num_micro_batches) == 0 and sizes.num_layers % 2 == 0
+    return ([(4, extra)] if fits and mesh != extra and not under_torchrun() else []) + [(world_size, mesh)]
+
+
+def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed):
+    """The ranks' Run3D on `mesh`; a refused call or a stall (the sends and receives that do not pair up, from the
+    ranks' journals) raised as an AssertionError naming it."""
     from utils.launch import RankError
 
-    (n,) = runnable_world_sizes([world_size])
-    mesh = mesh_3d(n)
-    nd.check_sizes_3d(sizes, mesh, n, num_micro_batches)  # a ValueError names what does not split
-    weights, losses = train_transformer_reference(sizes, num_steps, seed)
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
-            runs = spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+            return spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
                          seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
@@ -460,20 +502,47 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
             if unpaired:
                 raise AssertionError(_unpaired_hint(unpaired, mesh, num_micro_batches)) from e
             raise
-    errors = [run.error for run in runs if run.error]
-    if errors:
-        raise AssertionError(next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]))
-    problem = next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))), None) or \
-        _gradient_problem_3d(runs, mesh, reference_gradients(sizes, seed),
-                             last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches)
-    if problem:
-        raise AssertionError(problem)
-    _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
-                   nd.global_losses(runs, mesh[0]), weights, losses, mesh, ": is every step the same?")
-    print(f"3-D on {n} ranks, mesh (data, pipeline, tensor) = {mesh}, 1F1B over {num_micro_batches} micro-batches: "
-          f"every send/recv to a pipeline neighbour, every collective on its group and counted as the formulas "
-          f"say; every gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps "
-          f"equal one process's (1e-12)")
+
+
+def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
+                      num_steps=NUM_STEPS, seed=0):
+    """Train on (2, 2, 1) for one step, then on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on
+    8) with 1F1B over `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group
+    (refused on the rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d,
+    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then losses
+    and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+    (n,) = runnable_world_sizes([world_size])
+    runs_on = meshes_3d(n, sizes, num_micro_batches)
+    for k, mesh in runs_on:
+        nd.check_sizes_3d(sizes, mesh, k, num_micro_batches)  # a ValueError names what does not split
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    grads = reference_gradients(sizes, seed)
+    passed = []
+    for k, mesh in runs_on:
+        last_mesh = mesh == runs_on[-1][1]
+        runs = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, num_steps if last_mesh else 1,
+                       seed)
+        errors = [run.error for run in runs if run.error]
+        problem = next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]) if errors else None
+        problem = problem or next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))),
+                                  None) or _gradient_problem_3d(
+            runs, mesh, grads, last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches,
+            per_micro_batch_ruled_out=any(m[2] == 1 for m in passed)) or next(
+            (p for run in runs if (p := _order_problem(run, mesh, num_micro_batches))), None)
+        if problem and passed:
+            problem += f" (right on mesh {passed[0]}, wrong on {mesh})"
+        if problem:
+            raise AssertionError(problem)
+        passed.append(mesh)
+        if last_mesh:
+            _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
+                           nd.global_losses(runs, mesh[0]), weights, losses, mesh, ": is every step the same?")
+    first = "".join(f"{m} on {k} ranks for the first step, then " for k, m in runs_on[:-1])
+    mesh = runs_on[-1][1]
+    print(f"3-D, mesh (data, pipeline, tensor) = {first}{mesh} on {n}, 1F1B over {num_micro_batches} "
+          f"micro-batches: every send/recv to a pipeline neighbour, every collective on its group and counted as the "
+          f"formulas say, each stage's forwards and backwards in 1F1B's order; every gradient shard of the first "
+          f"step, the losses and the weights after {num_steps} AdamW steps equal one process's (1e-12)")
 
 
 # ---------------------------------------------------------------- section 4: context parallel, (context, tensor)
