@@ -256,6 +256,17 @@ PIPELINE_MISTAKES = {
          "nd.loss_share(model, x, targets, 1, model.sizes.seq_len)"},
         "it is 2 times too large: the loss share was not divided by T = 2 .*\\(right on mesh \\(2, 2, 1\\), wrong on "
         "\\(1, 2, 2\\)\\)"),
+    # a library's error inside the student's code, said where it came from (gloo would abort the receiving rank)
+    "the hidden states received into a buffer shaped like the tokens": (
+        {"                x = nd.hidden_like(tokens, model.sizes)\n":
+         "                x = torch.empty_like(tokens, dtype=torch.float64)\n"},
+        "rank \\d's recv receives into a torch.float64 tensor of shape \\(1, 8\\); what travels between stages is a "
+        "micro-batch's hidden states .* float64 of shape \\(1, 8, 16\\)"),
+    "groups read by a name the mesh does not have": (
+        {'    stage, num_stages = dist.get_rank(groups["pipeline"]), dist.get_world_size(groups["pipeline"])':
+         '    stage, num_stages = dist.get_rank(groups["stage"]), dist.get_world_size(groups["stage"])'},
+        "parallelize_3d raised KeyError: 'stage', at `stage, num_stages = .*`: groups is a dict keyed by the mesh's "
+        "dimension names"),
     "a backward's send left out": ({"sends.append(dist.isend(x.grad, previous, group=pipeline))": "pass"},
                                    "sent 0 message\\(s\\) to rank 0 \\(stage 0\\), which posted 1 receive"),
 }
@@ -263,7 +274,7 @@ PIPELINE_MISTAKES = {
 
 # about 2 s each under load (the right ones pass (2, 2, 1) first): these under pytest -m slow
 PIPELINE_SLOW = ("the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
-                 "LM head on the first stage")
+                 "LM head on the first stage", "the hidden states received into a buffer shaped like the tokens")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in PIPELINE_SLOW else m

@@ -87,6 +87,10 @@ def raised_in(function, error):
     if "chunk_positions" in line and isinstance(error, IndexError):
         hint = (": ra.chunk_positions(seq_len, C) has one chunk per CONTEXT rank: C is the context group's size and "
                 "the index its rank (dist.get_world_size / dist.get_rank of groups['context'])")
+    elif "recv" in line and isinstance(error, RuntimeError):
+        hint = (": the receive's buffer is not what the neighbour sends: the hidden states of this rank's tokens, "
+                "float64, (micro-batch, this rank's chunk of positions, dim): nd.hidden_like(tokens, model.sizes); a "
+                "gradient is shaped like the output it belongs to (torch.empty_like(y))")
     elif isinstance(error, KeyError):
         hint = ": groups is a dict keyed by the mesh's dimension names" if "group" in line else ""
     return CompositionMistake(f"{function} raised {type(error).__name__}: {text}{line}{hint}")

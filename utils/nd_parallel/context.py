@@ -74,7 +74,10 @@ def train_cp_main(rank, world_size, parallelize, train_step, sizes, mesh, num_st
     chunk of every sequence; forward, backward and the gradients' sync), AdamW on the shards, reshard. Every call
     is guarded (guard_cp); the first step is recorded (RunCP)."""
     groups, coordinate = mesh_groups(mesh, MESH_CP)
-    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    try:
+        model, shards = parallelize(build_transformer(sizes, seed), groups)
+    except Exception as e:  # a library's error inside the student's code: said where it came from
+        raise raised_in("parallelize_cp", e) from e
     run = RunCP(coordinate)
     first = next(iter(model.layers.values())).attention
     attend = first.attend

@@ -65,11 +65,13 @@ def pipeline_neighbours(pipeline_group):
     return tuple(dist.get_global_rank(pipeline_group, s) if 0 <= s < size else None for s in (stage - 1, stage + 1))
 
 
-def guard_3d(groups, tensor_parallel, journal=None, mesh=None):
+def guard_3d(groups, tensor_parallel, journal=None, mesh=None, hidden_shape=None):
     """guard(call, arguments) for communication_by_group: a send/recv only to a pipeline neighbour, a collective
     only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs. Each
     send/recv let through is written to `journal` (a line-buffered file, if given) as "name peer": if the ranks
-    stall, the parent reads which messages were never paired (unpaired_messages)."""
+    stall, the parent reads which messages were never paired (unpaired_messages). With `hidden_shape`, a message
+    of another shape or dtype than a micro-batch's float64 hidden states is refused too (gloo would abort the
+    receiving process)."""
     neighbours = pipeline_neighbours(groups["pipeline"])
     rank = dist.get_rank()
     data_parallel, pipeline_parallel = (mesh or (None, None, None))[:2]
@@ -77,6 +79,15 @@ def guard_3d(groups, tensor_parallel, journal=None, mesh=None):
     def guard(call, arguments):
         if call.name in PEER_NAMES:
             peer = peer_of(call.name, arguments)
+            tensor = arguments.get("tensor")
+            if hidden_shape is not None and isinstance(tensor, torch.Tensor) and (
+                    tuple(tensor.shape), tensor.dtype) != (hidden_shape, torch.float64):
+                what = "receives into" if call.name in ("recv", "irecv") else "sends"
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} {what} a {tensor.dtype} tensor of shape {tuple(tensor.shape)}; what "
+                    f"travels between stages is a micro-batch's hidden states (or their gradient), float64 of shape "
+                    f"{hidden_shape} (micro-batch, this rank's chunk of positions, dim): receive into "
+                    f"nd.hidden_like(tokens, model.sizes), a gradient into torch.empty_like(y)")
             if peer in neighbours and call.group in ("pipeline", "world"):
                 if journal is not None:
                     journal.write(f"{call.name} {peer}\n")
@@ -129,7 +140,10 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     file per rank, if given); the first step is recorded (Run3D)."""
     data_parallel, pipeline_parallel, tensor_parallel = mesh
     groups, coordinate = mesh_groups(mesh, MESH_3D)
-    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    try:
+        model, shards = parallelize(build_transformer(sizes, seed), groups)
+    except Exception as e:  # a library's error inside the student's code: said where it came from
+        raise raised_in("parallelize_3d", e) from e
     run = Run3D(coordinate, sorted(shards.shards))
     want = sorted(stage_names(sizes, coordinate[1], pipeline_parallel))
     run.error = "" if run.names == want else _stage_hint(run.names, want, coordinate[1], pipeline_parallel)
@@ -137,6 +151,7 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     dist.all_reduce(wrong, op=dist.ReduceOp.MAX)  # every rank stops if one stage is wrong (not logged: the check's)
     if wrong.item():
         return run
+    hidden = (sizes.batch_size // data_parallel // num_micro_batches, sizes.seq_len // tensor_parallel, sizes.dim)
     order = []
     model.register_forward_hook(lambda module, args, output: _record_forward(order, output))
 
@@ -156,8 +171,8 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     with contextlib.ExitStack() as stack:
         journal = stack.enter_context(open(os.path.join(journal_dir, f"{rank}"), "w", buffering=1)) \
             if journal_dir else None
-        return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel, journal, mesh), step, num_steps,
-                                 lr)
+        return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel, journal, mesh, hidden), step,
+                                 num_steps, lr)
 
 
 def _record_forward(order, output):
