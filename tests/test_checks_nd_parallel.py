@@ -118,6 +118,12 @@ MISTAKES = {
         {"fsdp.flat_padded(p.grad, data_parallel)": "p.grad"},
         "sync_gradients raised RuntimeError: .*: reduce_scatter_single's input must hold data-size times its "
         "output's elements"),
+    "FSDP's shards taken before tensor parallel": (
+        {"    model = nd.tensor_sequence_parallel(model, tensor_group)\n    return model, nd.FlatShards(model, data_group)\n":
+         "    shards = nd.FlatShards(model, data_group)\n    model = nd.tensor_sequence_parallel(model, tensor_group)\n"
+         "    return model, shards\n"},
+        "parallelize_2d raised ValueError: .*, at `model = nd.tensor_sequence_parallel\\(model, tensor_group\\)`: the "
+        "order is tensor \\+ sequence parallel first"),
     "shards looked up by a name of its own": (
         {"        shards[name].grad = grad\n": "        shards[name.split('.')[-1]].grad = grad\n"},
         "sync_gradients raised KeyError: 'weight': shards is keyed by the names of model.named_parameters"),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from utils import fsdp
 from utils import nd_parallel as nd
 from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff
-from utils.launch import runnable_world_sizes, spawn, under_torchrun
+from utils.launch import RankError, runnable_world_sizes, spawn, under_torchrun
 from utils.transformer import TransformerSizes, build_transformer, lm_loss, make_tokens, train_transformer_reference
 
 # ---------------------------------------------------------------- section 1: the mesh
@@ -342,8 +342,14 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
     passed = []
     for mesh in mesh_shapes:
-        runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
-                     timeout=CHECK_TIMEOUT)
+        try:
+            runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
+                         timeout=CHECK_TIMEOUT)
+        except RankError as e:
+            if "CompositionMistake" in e.summary:
+                raise AssertionError(f"on mesh (data, tensor) = {mesh}: "
+                                     + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+            raise
         problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
             (f"on mesh {mesh}, rank {run.coordinate}: {run.error.rstrip(' .')}{_error_hint(run.error)}" for run in runs
              if run.error), None) or \

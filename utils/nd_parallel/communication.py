@@ -77,14 +77,16 @@ def peer_of(name, arguments):
     return arguments.get(rank_key)
 
 
-def raised_in(function, error):
+def raised_in(function, error, hint=""):
     """A CompositionMistake saying that the student's `function` raised `error`, and on which of its lines (the last
-    frame of the traceback in a notebook's code): a library's error, said where the student's code caused it."""
+    frame of the traceback in a notebook's code), with `hint` or one of the usual causes: a library's error, said
+    where the student's code caused it."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if ".ipynb" in f.filename]
     line = f", at `{frames[-1].line}`" if frames and frames[-1].line else ""
     text = str(error).splitlines()[0] if str(error) else ""
-    hint = ""
-    if "chunk_positions" in line and isinstance(error, IndexError):
+    if hint:
+        pass
+    elif "chunk_positions" in line and isinstance(error, IndexError):
         hint = (": ra.chunk_positions(seq_len, C) has one chunk per CONTEXT rank: C is the context group's size and "
                 "the index its rank (dist.get_world_size / dist.get_rank of groups['context'])")
     elif "recv" in line and isinstance(error, RuntimeError):
