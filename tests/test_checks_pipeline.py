@@ -431,6 +431,12 @@ WRONG_12 = {
          r"interleaved_step on rank \d of 3, 2 pieces each, 3 micro-batches: dist.recv with rank \d for F0.\d's "
          r"input, from the previous piece's rank: that is the previous rank, \(rank - 1\) % p = \d, expected; a "
          r"direction that is right on 2 ranks only", THREE_RANKS),
+        ("the model's last piece taken to be each rank's last chunk: a send skipped",
+         {"            if piece.is_last:\n                y = loss_fn(y) / num_micro_batches\n":
+          "            if chunk == len(pieces) - 1:\n                y = loss_fn(y) / num_micro_batches\n"},
+         r"interleaved_step on rank 0 of 2, 2 pieces each, 2 micro-batches: a blocking dist.recv from rank 1 where the "
+         r"table's next hand-off on this rank is a send: F0.1's output, to the next piece's rank. Was that send "
+         r"skipped\?"),
         ("the table not followed: all forwards, then all backwards",
          {I_LOOP: I_LOOP.replace("order(rank, p, len(pieces), num_micro_batches)",
                                  'sorted(order(rank, p, len(pieces), num_micro_batches), key=lambda a: a[0] == "B")')},

@@ -788,6 +788,12 @@ def _check_peers(where, world_size, expected=()):
         if position[0] is None or position[0] >= len(expected):
             return
         kind, want, what = expected[position[0]]
+        if kind == "send" and not sending and call.name == "recv":
+            raise AssertionError(
+                f"{where}: a blocking dist.recv from rank {peer} where the table's next hand-off on this rank is a "
+                f"send: {what}. Was that send skipped? The neighbour may be waiting for it while this rank waits: "
+                f"every piece but the model's last sends its output on (only piece.is_last, the model's last piece, "
+                f"keeps the loss), every piece but the model's first sends its input's gradient back")
         if kind != ("send" if sending else "recv"):
             position[0] = None  # posted in another order: not this check's to judge
             return
