@@ -751,27 +751,34 @@ def hand_offs_per_step(rank, world_size, num_virtual, m):
 
 
 def expected_hand_offs(kind, rank, world_size, num_virtual, m):
-    """The sends and receives of one step on `rank`, in the table's order: [("send" or "recv", peer, what)]. A
-    forward receives its input from the previous piece's rank and sends its output to the next's; a backward
-    receives its output's gradient from the next and sends its input's back."""
-    last, hand_offs = world_size * num_virtual - 1, []
+    """The sends and receives of one step on `rank`, in the table's order: [("send" or "recv", peer, what, the
+    chunks of the forwards the table runs up to it)]. A forward receives its input from the previous piece's rank and
+    sends its output to the next's; a backward receives its output's gradient from the next and sends its input's
+    back (on ZB-H1's first stage too: its B has no input gradient to compute, but receives)."""
+    last, hand_offs, forwards = world_size * num_virtual - 1, [], []
     previous, following = (rank - 1) % world_size, (rank + 1) % world_size
-    for action, chunk, i in schedule_table(kind, rank, world_size, num_virtual, m):
+    table = pp.interleaved_order(rank, world_size, num_virtual, m) if kind == "interleaved" else \
+        [(k, 0, i) for k, i in pp.zb_h1_order(rank, world_size, m)]
+    for action, chunk, i in table:
         piece = rank + chunk * world_size
         label = f"{action}{i}" + (f".{chunk}" if kind == "interleaved" else "")
+        forwards = forwards + [chunk] * (action == "F")
         if action == "F":
-            hand_offs += [("recv", previous, f"{label}'s input, from the previous piece's rank")] * (piece != 0)
-            hand_offs += [("send", following, f"{label}'s output, to the next piece's rank")] * (piece != last)
+            hand_offs += [("recv", previous, f"{label}'s input, from the previous piece's rank", forwards)] * (piece != 0)
+            hand_offs += [("send", following, f"{label}'s output, to the next piece's rank", forwards)] * (piece != last)
         elif action == "B":
-            hand_offs += [("recv", following, f"{label}'s output gradient, from the next piece's rank")] * (piece != last)
-            hand_offs += [("send", previous, f"{label}'s input gradient, to the previous piece's rank")] * (piece != 0)
+            hand_offs += [("recv", following, f"{label}'s output gradient, from the next piece's rank",
+                           forwards)] * (piece != last)
+            hand_offs += [("send", previous, f"{label}'s input gradient, to the previous piece's rank",
+                           forwards)] * (piece != 0)
     return hand_offs
 
 
-def _check_peers(where, world_size, expected=()):
+def _check_peers(where, world_size, expected=(), forwards=None):
     """An intercept `before` that refuses a peer outside 0..p-1, and a peer other than the table's (`expected`:
     expected_hand_offs) while the calls come in the table's order (a schedule that posts them in another order is
-    left to the other checks)."""
+    left to the other checks); `forwards`: the chunks of the forwards run so far, live (a blocking receive where the
+    table's next hand-off is a forward's send, after the table's forwards, means that send was skipped)."""
     position = [0]
 
     def before(call, arguments):
@@ -787,13 +794,13 @@ def _check_peers(where, world_size, expected=()):
             raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: {wrap}")
         if position[0] is None or position[0] >= len(expected):
             return
-        kind, want, what = expected[position[0]]
-        if kind == "send" and not sending and call.name == "recv":
+        kind, want, what, table_forwards = expected[position[0]]
+        if kind == "send" and call.name == "recv" and what.startswith("F") and forwards == table_forwards:
             raise AssertionError(
                 f"{where}: a blocking dist.recv from rank {peer} where the table's next hand-off on this rank is a "
                 f"send: {what}. Was that send skipped? The neighbour may be waiting for it while this rank waits: "
                 f"every piece but the model's last sends its output on (only piece.is_last, the model's last piece, "
-                f"keeps the loss), every piece but the model's first sends its input's gradient back")
+                f"keeps the loss)")
         if kind != ("send" if sending else "recv"):
             position[0] = None  # posted in another order: not this check's to judge
             return
@@ -902,13 +909,20 @@ def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes
 
         def watched(stage, batch, m):
             expected = expected_hand_offs(kind, rank, world_size, num_virtual if pieces else 1, m)
-            with intercept(before=_check_peers(where, world_size, expected)):
-                try:
+            forwards = []  # the chunks of the forwards run so far
+            modules = list(stage) if isinstance(stage, torch.nn.ModuleList) else [stage]
+            hooks = [module.register_forward_pre_hook(lambda *_, k=k: forwards.append(k))
+                     for k, module in enumerate(modules)]
+            try:
+                with intercept(before=_check_peers(where, world_size, expected, forwards)):
                     return schedule(stage, batch, m)
-                except AssertionError:
-                    raise
-                except Exception as e:  # a library's error, raised inside the student's code
-                    raise _student_error(where, label, e) from e
+            except AssertionError:
+                raise
+            except Exception as e:  # a library's error, raised inside the student's code
+                raise _student_error(where, label, e) from e
+            finally:
+                for hook in hooks:
+                    hook.remove()
 
         run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
