@@ -9,7 +9,18 @@ check_fsdp_tensor_parallel: the course's transformer trained on a (data, tensor)
 parallelize and sync_gradients. First the groups each collective ran on (tensor parallel on the tensor group, FSDP on
 the data group), then the first step's gradient shards against one process's, a wrong one named when a usual
 mistake recomputed from the ranks' own gradients explains it, then losses and weights after several AdamW steps
-against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes.
+against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes. A sync
+right in values but not in kind or order (an all-reduce where FSDP reduce-scatters, the tensor group's all-reduce
+before the reduce-scatter) is named with its bytes.
+
+check_pipeline_3d: a first step on (2, 2, 1) (4 ranks), where the pipeline neighbour is 1 rank away, then the world's
+(data, pipeline, tensor) mesh: every send and receive to a pipeline neighbour and of a micro-batch's hidden states'
+shape, every collective on its group, the calls counted, each stage's forwards and backwards in 1F1B's order, the
+gradient shards, losses and weights against one process.
+
+check_context_parallel_nd: the (context, tensor) mesh (2, 2), then (4, 1) for one step, where C and T differ: the
+ring on the context group, the calls counted, RoPE's positions, each rank's loss share, the gradient shards, losses
+and weights against one process. An error raised inside the student's functions is said with the student's line.
 """
 import math
 import tempfile

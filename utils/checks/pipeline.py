@@ -21,7 +21,10 @@ Notebook 11 (schedules past 1F1B):
 - `check_interleaved_step`, `check_zb_h1_step`: train with the student's schedule on WORLD_SIZE ranks
   and on 2, and compare with the single-process run; each rank's recorded order of computations
   against the schedule's table (`pp.interleaved_order`, `pp.zb_h1_order`), its messages against the
-  count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once.
+  count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once. Each send and
+  receive is compared, before it runs, with the table's next hand-off (a peer right on 2 ranks only,
+  a skipped send); gradients that are all one multiple of one process's name the count the loss was
+  divided by; an error raised inside the student's function is said with its cause.
 
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
