@@ -34,6 +34,14 @@ from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff
 from utils.launch import RankError, runnable_world_sizes, spawn, under_torchrun
 from utils.transformer import TransformerSizes, build_transformer, lm_loss, make_tokens, train_transformer_reference
 
+def _raise_composition_mistake(error, where):
+    """A rank's CompositionMistake (a call refused, or a library's error said where the student's code caused it)
+    raised here as an AssertionError `where: ...`; any other RankError as it is."""
+    if "CompositionMistake" in error.summary:
+        raise AssertionError(f"{where}: " + error.summary.split("CompositionMistake: ", 1)[-1]) from None
+    raise error
+
+
 # ---------------------------------------------------------------- section 1: the mesh
 
 RANK_SHAPES = {8: [(2, 2, 2), (1, 2, 4), (4, 2), (2, 4, 1)], 4: [(1, 2, 2), (2, 2), (4, 1, 1)], 2: [(1, 1, 2), (2, 1)]}
@@ -357,10 +365,7 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
             runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
                          timeout=CHECK_TIMEOUT)
         except RankError as e:
-            if "CompositionMistake" in e.summary:
-                raise AssertionError(f"on mesh (data, tensor) = {mesh}: "
-                                     + e.summary.split("CompositionMistake: ", 1)[-1]) from None
-            raise
+            _raise_composition_mistake(e, f"on mesh (data, tensor) = {mesh}")
         problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
             (f"on mesh {mesh}, rank {run.coordinate}: {run.error.rstrip(' .')}{_error_hint(run.error)}" for run in runs
              if run.error), None) or \
@@ -504,16 +509,13 @@ def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
 def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed):
     """The ranks' Run3D on `mesh`; a refused call or a stall (the sends and receives that do not pair up, from the
     ranks' journals) raised as an AssertionError naming it."""
-    from utils.launch import RankError
-
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
             return spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
                          seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
-                raise AssertionError(f"on mesh (data, pipeline, tensor) = {mesh}: "
-                                     + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+                _raise_composition_mistake(e, f"on mesh (data, pipeline, tensor) = {mesh}")
             waited = isinstance(e, TimeoutError) or "already returned from fn" in e.summary  # for a peer, in vain
             unpaired = waited and nd.unpaired_messages(journal_dir, n)
             if unpaired:
@@ -659,15 +661,10 @@ def cp_meshes(world_size):
 
 def _train_cp(parallelize, train_step, n, sizes, mesh, num_steps, seed):
     """The ranks' RunCP on `mesh`, a rank's refused call (CompositionMistake) raised as an AssertionError."""
-    from utils.launch import RankError
-
     try:
         return spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed, timeout=CHECK_TIMEOUT)
     except RankError as e:
-        if "CompositionMistake" in e.summary:
-            raise AssertionError(f"on mesh (context, tensor) = {mesh}: "
-                                 + e.summary.split("CompositionMistake: ", 1)[-1]) from None
-        raise
+        _raise_composition_mistake(e, f"on mesh (context, tensor) = {mesh}")
 
 
 def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
