@@ -373,6 +373,23 @@ def test_cp_mistakes_are_named(mistake):
         check_context_parallel_nd(wrong.parallelize_cp, wrong.train_step_cp, **CP)
 
 
+@pytest.mark.slow  # 3 s: two meshes; the notebook's run checks the solution itself
+def test_cp_positions_by_hand_and_the_share_as_a_product_pass(capsys):
+    """A right answer written another way: each context chunk's positions with torch.arange, not ra.chunk_positions;
+    the loss share as a product; the ring's positions as a list."""
+    other = solution(NAME, replace={
+        '    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(groups["context"]))\n':
+        '    size, chunk = dist.get_world_size(groups["context"]), model.sizes.seq_len // dist.get_world_size('
+        'groups["context"])\n    positions = [torch.arange(c * chunk, (c + 1) * chunk) for c in range(size)]\n',
+        "    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(context))[dist.get_rank(context)]":
+        "    chunk = model.sizes.seq_len // dist.get_world_size(context)\n"
+        "    positions = torch.arange(chunk) + dist.get_rank(context) * chunk",
+        "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+        "    loss = lm_loss(model(inputs, positions), targets) * (1 / tensor_parallel)"})
+    check_context_parallel_nd(other.parallelize_cp, other.train_step_cp, **CP)
+    assert "equal one process's" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("sizes, mesh, message", [
     (TransformerSizes(seq_len=6), (4, 1), "seq len 6 is not divisible by world size 4"),
     (TransformerSizes(seq_len=6), (2, 2), "not divisible by tensor parallel 2"),
