@@ -798,7 +798,8 @@ def _check_peers(where, world_size, expected=(), forwards=None):
         if position[0] is None or position[0] >= len(expected):
             return
         kind, want, what, table_forwards = expected[position[0]]
-        if kind == "send" and call.name == "recv" and what.startswith("F") and forwards == table_forwards:
+        if kind == "send" and call.name == "recv" and what.startswith("F") and \
+                forwards[:len(table_forwards)] == table_forwards:
             raise AssertionError(
                 f"{where}: a blocking dist.recv from rank {peer} where the table's next hand-off on this rank is a "
                 f"send: {what}. Was that send skipped? The neighbour may be waiting for it while this rank waits: "
