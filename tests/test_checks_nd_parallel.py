@@ -135,10 +135,11 @@ def check_2d(module, **kwargs):
     check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4, **kwargs)
 
 
-# about 1 s each: the classic bugs and the students' list run by default, the rest under pytest -m slow
+# about 1 s each: the classic bugs and one of the students' list run by default, the rest under pytest -m slow
 SLOW = ("not divided", "FSDP on the tensor group", "whole weights all-reduced on the data group",
         "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group",
-        "the reduce-scatter's input not flattened and padded", "shards looked up by a name of its own")
+        "the reduce-scatter's input not flattened and padded", "shards looked up by a name of its own",
+        "all-reduce on the data group, a slice kept", "FSDP's shards taken before tensor parallel")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MISTAKES])
@@ -281,7 +282,7 @@ PIPELINE_MISTAKES = {
 # about 2 s each under load (the right ones pass (2, 2, 1) first): these under pytest -m slow
 PIPELINE_SLOW = ("the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
                  "LM head on the first stage", "the hidden states received into a buffer shaped like the tokens",
-                 "groups read by a name the mesh does not have")
+                 "groups read by a name the mesh does not have", "the pipeline neighbour P ranks away, not T")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in PIPELINE_SLOW else m
