@@ -96,6 +96,37 @@ MISTAKES = {
     "whole weights averaged over the tensor group": (
         {ALL_REDUCE: ALL_REDUCE + "            grad /= dist.get_world_size(tensor_group)\n"},
         "averaged over the tensor group \\(divided by 2\\)"),
+    # students' list: right values, the wrong collective or the wrong order, named with their bytes
+    "all-reduce on the data group, a slice kept": (
+        {"        grad = torch.empty_like(shards[name])\n"
+         f"        {REDUCE_SCATTER}\n":
+         "        whole = p.grad.clone()\n        dist.all_reduce(whole, group=data_group)\n"
+         "        grad = fsdp.shard(whole, dist.get_rank(data_group), data_parallel)\n"},
+        "all-reduced on the data group and a slice of them kept: FSDP's reduce-scatter written as an all-reduce. The "
+        "values are right, but every rank receives and holds the whole gradient \\(\\d+ bytes handed to the "
+        "all-reduces\\), 2 times the shard it keeps; .* Use a reduce-scatter"),
+    "the tensor group's all-reduce before the reduce-scatter": (
+        {"        grad = torch.empty_like(shards[name])\n"
+         f"        {REDUCE_SCATTER}\n"
+         "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
+         SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
+         + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"},
+        "all-reduced over the tensor group BEFORE FSDP's reduce-scatter: the values are right, but that all-reduce "
+        "moves whole gradients \\(\\d+ bytes handed to it\\) where, after the reduce-scatter, it moves the shards "
+        "\\(\\d+ bytes, 1/2, \\+\\d+% on the tensor group's step\\)"),
+    "the reduce-scatter's input not flattened and padded": (
+        {"fsdp.flat_padded(p.grad, data_parallel)": "p.grad"},
+        "sync_gradients raised RuntimeError: .*: reduce_scatter_single's input must hold data-size times its "
+        "output's elements"),
+    "FSDP's shards taken before tensor parallel": (
+        {"    model = nd.tensor_sequence_parallel(model, tensor_group)\n    return model, nd.FlatShards(model, data_group)\n":
+         "    shards = nd.FlatShards(model, data_group)\n    model = nd.tensor_sequence_parallel(model, tensor_group)\n"
+         "    return model, shards\n"},
+        "parallelize_2d raised ValueError: .*, at `model = nd.tensor_sequence_parallel\\(model, tensor_group\\)`: the "
+        "order is tensor \\+ sequence parallel first"),
+    "shards looked up by a name of its own": (
+        {"        shards[name].grad = grad\n": "        shards[name.split('.')[-1]].grad = grad\n"},
+        "sync_gradients raised KeyError: 'weight': shards is keyed by the names of model.named_parameters"),
 }
 
 
@@ -104,9 +135,11 @@ def check_2d(module, **kwargs):
     check_fsdp_tensor_parallel(module.parallelize_2d, module.sync_gradients_2d, 4, **kwargs)
 
 
-# about 1.5 s each: the first five (the classic bugs) run by default, the rest under pytest -m slow
+# about 1 s each: the classic bugs and one of the students' list run by default, the rest under pytest -m slow
 SLOW = ("not divided", "FSDP on the tensor group", "whole weights all-reduced on the data group",
-        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group")
+        "every gradient all-reduced over the tensor group", "whole weights averaged over the tensor group",
+        "the reduce-scatter's input not flattened and padded", "shards looked up by a name of its own",
+        "all-reduce on the data group, a slice kept", "FSDP's shards taken before tensor parallel")
 
 
 @pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MISTAKES])
@@ -124,15 +157,14 @@ def test_2d_right_only_on_the_default_mesh_is_named():
         check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
 
 
-def test_2d_all_reduce_first_then_the_librarys_reduce_scatter_passes(capsys):
-    """The other order (the whole gradient summed over the tensor group first: D times the bytes), then FSDP's
-    mean with utils.fsdp.reduce_scatter_mean on the data group."""
+def test_2d_the_librarys_reduce_scatter_then_a_sum_op_passes(capsys):
+    """The right order written another way: FSDP's mean with utils.fsdp.reduce_scatter_mean on the data group, then
+    the whole weights' shards summed over the tensor group in place."""
     module = solution(NAME, replace={
         "        grad = torch.empty_like(shards[name])\n"
         f"        {REDUCE_SCATTER}\n"
-        "        grad /= data_parallel\n" + SYNC_IF + ALL_REDUCE:
-        SYNC_IF + ALL_REDUCE.replace("(grad,", "(p.grad,")
-        + "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n"})
+        "        grad /= data_parallel\n": "        grad = fsdp.reduce_scatter_mean(p.grad, data_group)\n",
+        ALL_REDUCE: ALL_REDUCE.replace("group=tensor_group", "op=dist.ReduceOp.SUM, group=tensor_group")})
     check_2d(module)
     assert "equal one process's" in capsys.readouterr().out
 
@@ -202,7 +234,7 @@ PIPELINE_MISTAKES = {
          "    planes = [dist.new_group([r for r in range(dist.get_world_size()) if r % tensor_parallel == t])\n"
          "              for t in range(tensor_parallel)]\n"
          "    sync_gradients_2d(model, shards, groups[\"tensor\"], planes[rank % tensor_parallel])\n    return loss"},
-        "a group of ranks \\[\\d, \\d\\]: the gradients were synchronised over more than the data group"),
+        "a group of ranks \\[\\d, \\d[^\\]]*\\]: the gradients were synchronised over more than the data group"),
     "sync over the whole world": (
         {"    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"data\"])\n    return loss":
          "    sync_gradients_2d(model, shards, groups[\"tensor\"], dist.group.WORLD)\n    return loss"},
@@ -210,13 +242,51 @@ PIPELINE_MISTAKES = {
     # sends and receives that do not pair up: a peer leaves (on a longer run the ranks stall until the check's
     # timeout); each rank's journal says which messages were never received, or never sent
     "a forward's receive left out": ({"dist.recv(x, previous, group=pipeline)": "pass"},
-                                     "sent 2 message\\(s\\) to rank 2 \\(stage 1\\), which posted 0 receive"),
+                                     "sent 2 message\\(s\\) to rank \\d \\(stage 1\\), which posted 0 receive"),
+    # right values, wrong schedule: a warm-up one forward too long (the last stage then holds 2 micro-batches)
+    "1F1B's warm-up one forward too long": (
+        {"    for kind, i in pp.one_f_one_b_order(stage, num_stages, m):\n":
+         "    for kind, i in pp.one_f_one_b_order(stage, num_stages + 1, m):\n"},
+        "stage 1 ran F F B B, 1F1B's table \\(pp.one_f_one_b_order\\(1, 2, 2\\)\\) says F B F B: 2 forward\\(s\\) "
+        "before its first backward where 1F1B's stage 1 of 2 runs 1 \\(a warm-up of P - s - 1 = 0, .*\\); it held 2 "
+        "micro-batches' activations at once instead of 1"),
+    # right on (2, 2, 2) and (1, 2, 2), where P = T: the check's (2, 2, 1) mesh tells them apart
+    "the pipeline neighbour P ranks away, not T": (
+        {"    previous = rank - tensor_parallel if stage > 0 else None":
+             "    previous = rank - num_stages if stage > 0 else None",
+         "    following = rank + tensor_parallel if stage < num_stages - 1 else None":
+             "    following = rank + num_stages if stage < num_stages - 1 else None"},
+        "on mesh \\(data, pipeline, tensor\\) = \\(2, 2, 1\\): .*a step of 2 ranks \\(.*the pipeline size P.*\\); "
+        "the pipeline dimension's stride is T = 1"),
+    "the loss share not divided by T": (
+        {"nd.loss_share(model, x, targets, tensor_parallel, model.sizes.seq_len)":
+         "nd.loss_share(model, x, targets, 1, model.sizes.seq_len)"},
+        "it is 2 times too large: the loss share was not divided by T = 2 .*\\(right on mesh \\(2, 2, 1\\), wrong on "
+        "\\(1, 2, 2\\)\\)"),
+    # a library's error inside the student's code, said where it came from (gloo would abort the receiving rank)
+    "the hidden states received into a buffer shaped like the tokens": (
+        {"                x = nd.hidden_like(tokens, model.sizes)\n":
+         "                x = torch.empty_like(tokens, dtype=torch.float64)\n"},
+        "rank \\d's recv receives into a torch.float64 tensor of shape \\(1, 8\\); what travels between stages is a "
+        "micro-batch's hidden states .* float64 of shape \\(1, 8, 16\\)"),
+    "groups read by a name the mesh does not have": (
+        {'    stage, num_stages = dist.get_rank(groups["pipeline"]), dist.get_world_size(groups["pipeline"])':
+         '    stage, num_stages = dist.get_rank(groups["stage"]), dist.get_world_size(groups["stage"])'},
+        "parallelize_3d raised KeyError: 'stage', at `stage, num_stages = .*`: groups is a dict keyed by the mesh's "
+        "dimension names"),
     "a backward's send left out": ({"sends.append(dist.isend(x.grad, previous, group=pipeline))": "pass"},
                                    "sent 0 message\\(s\\) to rank 0 \\(stage 0\\), which posted 1 receive"),
 }
 
 
-@pytest.mark.parametrize("mistake", PIPELINE_MISTAKES)
+# about 2 s each under load (the right ones pass (2, 2, 1) first): these under pytest -m slow
+PIPELINE_SLOW = ("the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
+                 "LM head on the first stage", "the hidden states received into a buffer shaped like the tokens",
+                 "groups read by a name the mesh does not have", "the pipeline neighbour P ranks away, not T")
+
+
+@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in PIPELINE_SLOW else m
+                                     for m in PIPELINE_MISTAKES])
 def test_3d_mistakes_are_named(mistake):
     replace, hint = PIPELINE_MISTAKES[mistake]
     wrong = solution(NAME, replace=replace)
@@ -269,16 +339,56 @@ CP_MISTAKES = {
     "the context group's mean taken twice": (
         {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
          "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel / dist.get_world_size(context)"},
-        "the context group's mean was taken twice"),
+        "divided by C = 2 as well as by T: the context group's mean is taken once"),
+    # students' list: on (2, 2) this doubled the gradients as a sum over the context group does, and was named so
+    "the loss share not divided by T": (
+        {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+         "    loss = lm_loss(model(inputs, positions), targets)"}, "the loss share returned at the first step is "
+        "\\S+, one process's \\S+: not divided by T"),
+    "the sync's mean left out: a sum over the context group": (
+        {"        grad /= data_parallel\n": ""}, "summed over the context group, not averaged"),
+    # equal to the right answer on (2, 2): the check's second mesh, (4, 1), tells them apart
+    "the loss share divided by C instead of T": (
+        {"    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+         "    loss = lm_loss(model(inputs, positions), targets) / dist.get_world_size(context)"},
+        "on mesh \\(context, tensor\\) = \\(4, 1\\), .*divided by the context size C = 4 instead of the tensor "
+        "size T = 1.*right on mesh \\(2, 2\\)"),
+    "the chunks' positions counted by the tensor size": (
+        {"    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(context))[dist.get_rank(context)]":
+         "    positions = ra.chunk_positions(model.sizes.seq_len, tensor_parallel)[dist.get_rank(context)]"},
+        "on mesh \\(context, tensor\\) = \\(4, 1\\): train_step raised IndexError: list index out of range, at "
+        "`positions = .*`: ra.chunk_positions\\(seq_len, C\\) has one chunk per CONTEXT rank"),
 }
 
 
-@pytest.mark.parametrize("mistake", CP_MISTAKES)
+CP_SLOW = ("the sync's mean left out: a sum over the context group", "the chunks' positions counted by the tensor size",
+           "the loss share divided by C instead of T")
+
+
+@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in CP_SLOW else m
+                                     for m in CP_MISTAKES])
 def test_cp_mistakes_are_named(mistake):
     replace, hint = CP_MISTAKES[mistake]
     wrong = solution(NAME, replace=replace)
     with pytest.raises(AssertionError, match=hint):
         check_context_parallel_nd(wrong.parallelize_cp, wrong.train_step_cp, **CP)
+
+
+@pytest.mark.slow  # 3 s: two meshes; the notebook's run checks the solution itself
+def test_cp_positions_by_hand_and_the_share_as_a_product_pass(capsys):
+    """A right answer written another way: each context chunk's positions with torch.arange, not ra.chunk_positions;
+    the loss share as a product; the ring's positions as a list."""
+    other = solution(NAME, replace={
+        '    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(groups["context"]))\n':
+        '    size, chunk = dist.get_world_size(groups["context"]), model.sizes.seq_len // dist.get_world_size('
+        'groups["context"])\n    positions = [torch.arange(c * chunk, (c + 1) * chunk) for c in range(size)]\n',
+        "    positions = ra.chunk_positions(model.sizes.seq_len, dist.get_world_size(context))[dist.get_rank(context)]":
+        "    chunk = model.sizes.seq_len // dist.get_world_size(context)\n"
+        "    positions = torch.arange(chunk) + dist.get_rank(context) * chunk",
+        "    loss = lm_loss(model(inputs, positions), targets) / tensor_parallel":
+        "    loss = lm_loss(model(inputs, positions), targets) * (1 / tensor_parallel)"})
+    check_context_parallel_nd(other.parallelize_cp, other.train_step_cp, **CP)
+    assert "equal one process's" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("sizes, mesh, message", [

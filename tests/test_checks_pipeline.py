@@ -281,15 +281,19 @@ def schedules_right():
     return solution(SCHEDULES_NOTEBOOK)
 
 
-def check_12(exercise, sol, world_size=2, timeout=20):
-    sizes = (HIDDEN_DIM, NUM_LAYERS, BATCH_SIZE)
+THREE_RANKS = dict(world_size=3, num_layers=6, batch_size=6, num_micro_batches=3)  # where directions show
+
+
+def check_12(exercise, sol, world_size=2, timeout=20, num_layers=NUM_LAYERS, batch_size=BATCH_SIZE,
+             num_micro_batches=NUM_MICRO_BATCHES):
+    sizes = (HIDDEN_DIM, num_layers, batch_size)
     if exercise == "split":
-        check_backward_split(sol.backward_input, sol.backward_weight, *sizes, NUM_MICRO_BATCHES)
+        check_backward_split(sol.backward_input, sol.backward_weight, *sizes, num_micro_batches)
     elif exercise == "interleaved":
-        check_interleaved_step(sol.interleaved_step, world_size, *sizes, 1, NUM_MICRO_BATCHES, NUM_VIRTUAL,
+        check_interleaved_step(sol.interleaved_step, world_size, *sizes, 1, num_micro_batches, NUM_VIRTUAL,
                                timeout=timeout)
     else:
-        check_zb_h1_step(sol.zb_h1_step, world_size, *sizes, 1, NUM_MICRO_BATCHES, timeout=timeout)
+        check_zb_h1_step(sol.zb_h1_step, world_size, *sizes, 1, num_micro_batches, timeout=timeout)
 
 
 def test_notebook_12_solution_passes_every_check(schedules_right, capsys):
@@ -372,6 +376,20 @@ WRONG_12 = {
         ("B returns the gradient it was given",
          {B_SPLIT: "    return grad\n"},
          r"backward_input on the middle piece .*: returned the gradient it was given, not the input's"),
+        ("B without the gradient of y: autograd's 'only for scalar outputs'",
+         {B_SPLIT: B_SPLIT.replace("(y, x, grad,", "(y, x,")},
+         r"backward_input on the middle piece .*: raised RuntimeError: grad can be implicitly created only for "
+         r"scalar outputs: autograd was not given grad"),
+        ("W without the gradient of y",
+         {W_SPLIT: W_SPLIT.replace("(y, grad,", "(y,")},
+         r"backward_weight on the first piece .*: raised RuntimeError: .*autograd was not given grad"),
+        ("B asks for the data's gradient on the first piece",
+         {"    if not x.requires_grad:\n        return None\n": ""},
+         r"backward_input on the first piece .*: raised RuntimeError: .*on the first piece x is the data"),
+        ("B returns torch.autograd.grad's tuple",
+         {B_SPLIT: B_SPLIT.replace("(dx,) =", "dx =")},
+         r"backward_input on the middle piece .*: returned a tuple: torch.autograd.grad returns one gradient per "
+         r"input, unpack it"),
     ],
     "interleaved": [
         ("the hand-off after the last rank not wrapped to rank 0",
@@ -382,6 +400,43 @@ WRONG_12 = {
          {"                y = loss_fn(y) / num_micro_batches\n            else:\n" + I_SEND_FORWARD:
           "                y = loss_fn(y)\n            else:\n" + I_SEND_FORWARD},
          r"the gradient of layers.\d.linear.weight is 2 times the full batch's"),
+        ("each forward's tensors kept by micro-batch only, not (chunk, micro-batch)",
+         {"            alive[chunk, i] = (x, y)\n": "            alive[i] = (x, y)\n",
+          "        x, y = alive.pop((chunk, i))\n": "        x, y = alive.pop(i)\n"},
+         r"interleaved_step on rank \d of 2, 2 pieces each, 2 micro-batches: interleaved_step raised KeyError: 0: a "
+         r"forward's tensors were not found at their backward .*by \(chunk, micro-batch\)"),
+        ("the received input not made to require grad: x.grad is None",
+         {"                dist.recv(x, src=(rank - 1) % p)\n                x.requires_grad_()\n":
+          "                dist.recv(x, src=(rank - 1) % p)\n"},
+         r"interleaved_step on rank \d of 2.*: interleaved_step raised .*(NoneType|None).*x.requires_grad_\(\)"),
+        ("the loss overwritten at each micro-batch, not added up",
+         {"            loss = loss + y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
+          "            dist.recv(grad, src=(rank + 1) % p)":
+          "            loss = y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
+          "            dist.recv(grad, src=(rank + 1) % p)"},
+         r"the loss returned at step 0 is .*that is the last micro-batch's loss alone: the loss was overwritten"),
+        ("the loss added up in float32 (students' list: the message printed two numbers that look equal)",
+         {"            loss = loss + y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
+          "            dist.recv(grad, src=(rank + 1) % p)":
+          "            loss = loss + y.detach().float()\n        else:\n            grad = torch.empty_like(y)\n"
+          "            dist.recv(grad, src=(rank + 1) % p)"},
+         r"the loss returned at step 0 is .*, \S+ apart \(tolerance 1e-12\): a float32 rounding error"),
+        ("each micro-batch's loss divided by the number of pieces p v, not by m",
+         {"                y = loss_fn(y) / num_micro_batches\n            else:\n" + I_SEND_FORWARD:
+          "                y = loss_fn(y) / (p * len(pieces))\n            else:\n" + I_SEND_FORWARD},
+         r"every weight's gradient is 0.5 times the full batch's: each micro-batch's loss was .*divided by the "
+         r"pieces p v = 4, not by m = 2"),
+        ("the activations received from the next rank (right on 2 ranks only)",
+         {"                dist.recv(x, src=(rank - 1) % p)\n": "                dist.recv(x, src=(rank + 1) % p)\n"},
+         r"interleaved_step on rank \d of 3, 2 pieces each, 3 micro-batches: dist.recv with rank \d for F0.\d's "
+         r"input, from the previous piece's rank: that is the previous rank, \(rank - 1\) % p = \d, expected; a "
+         r"direction that is right on 2 ranks only", THREE_RANKS),
+        ("the model's last piece taken to be each rank's last chunk: a send skipped",
+         {"            if piece.is_last:\n                y = loss_fn(y) / num_micro_batches\n":
+          "            if chunk == len(pieces) - 1:\n                y = loss_fn(y) / num_micro_batches\n"},
+         r"interleaved_step on rank 0 of 2, 2 pieces each, 2 micro-batches: a blocking dist.recv from rank 1 where the "
+         r"table's next hand-off on this rank is a send: F0.1's output, to the next piece's rank. Was that send "
+         r"skipped\?"),
         ("the table not followed: all forwards, then all backwards",
          {I_LOOP: I_LOOP.replace("order(rank, p, len(pieces), num_micro_batches)",
                                  'sorted(order(rank, p, len(pieces), num_micro_batches), key=lambda a: a[0] == "B")')},
@@ -409,6 +464,18 @@ WRONG_12 = {
          r"layers.2.linear.weight "
          r"differs .*: back-propagate each micro-batch's output with the gradient received from the next stage for it",
          3),
+        ("the output's gradient received from the previous stage",
+         {"                dist.recv(grad, src=stage.rank + 1)\n": "                dist.recv(grad, src=stage.rank - 1)\n"},
+         r"zb_h1_step on rank 0 of 2.*: dist.recv with rank -1, which does not exist: the first stage receives "
+         r"nothing forward and sends nothing back"),
+        ("the first stage sends B's result back too",
+         {"            if not stage.is_first:\n                sends.append(dist.isend(dx, dst=stage.rank - 1))\n":
+          "            sends.append(dist.isend(dx, dst=stage.rank - 1))\n"},
+         r"zb_h1_step on rank 0 of 2.*: dist.isend with rank -1, which does not exist"),
+        ("the received input not made to require grad: B returns None",
+         {"                dist.recv(x, src=stage.rank - 1)\n                x.requires_grad_()\n":
+          "                dist.recv(x, src=stage.rank - 1)\n"},
+         r"zb_h1_step on rank 1 of 2.*: zb_h1_step raised .*x.requires_grad_\(\)"),
     ],
 }
 
@@ -417,8 +484,9 @@ WRONG_12 = {
                                                                      for w in ws],
                          ids=[f"{e}: {w[0]}" for e, ws in WRONG_12.items() for w in ws])
 def test_notebook_12_each_wrong_answer_fails_with_its_hint(exercise, what, edit, hint, world_size):
+    sizes = world_size if isinstance(world_size, dict) else {"world_size": world_size}
     with pytest.raises(AssertionError, match=hint):
-        check_12(exercise, solution(SCHEDULES_NOTEBOOK, replace=edit), world_size, timeout=HANG * 3)
+        check_12(exercise, solution(SCHEDULES_NOTEBOOK, replace=edit), timeout=HANG * 3, **sizes)
 
 
 @pytest.mark.slow  # 3.4 s: the check's timeout
@@ -435,3 +503,14 @@ def test_notebook_12_right_answers_written_another_way():
         W_SPLIT: "    for p, g in zip(stage.parameters(), torch.autograd.grad(y, list(stage.parameters()), grad)):\n"
                  "        p.grad = g if p.grad is None else p.grad + g\n"})
     check_12("split", other)
+    # the receives as irecv(...).wait(), the loss added up as a Python float, W's arguments unpacked from the dict
+    other = solution(SCHEDULES_NOTEBOOK, replace={
+        "                dist.recv(x, src=(rank - 1) % p)\n": "                dist.irecv(x, src=(rank - 1) % p).wait()\n",
+        "            loss = loss + y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
+        "            dist.recv(grad, src=(rank + 1) % p)":
+        "            loss += y.item()\n        else:\n            grad = torch.empty_like(y)\n"
+        "            dist.irecv(grad, src=(rank + 1) % p).wait()",
+        Z_W: "            backward_weight(stage, *alive.pop(i)[1:])\n",
+        "                loss = loss + y.detach()\n            else:\n": "                loss += y.item()\n            else:\n"})
+    check_12("interleaved", other)
+    check_12("zb-h1", other)

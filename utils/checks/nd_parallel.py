@@ -9,7 +9,18 @@ check_fsdp_tensor_parallel: the course's transformer trained on a (data, tensor)
 parallelize and sync_gradients. First the groups each collective ran on (tensor parallel on the tensor group, FSDP on
 the data group), then the first step's gradient shards against one process's, a wrong one named when a usual
 mistake recomputed from the ranks' own gradients explains it, then losses and weights after several AdamW steps
-against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes.
+against one process's (utils.transformer.train_transformer_reference, float64, 1e-12), on several meshes. A sync
+right in values but not in kind or order (an all-reduce where FSDP reduce-scatters, the tensor group's all-reduce
+before the reduce-scatter) is named with its bytes.
+
+check_pipeline_3d: a first step on (2, 2, 1) (4 ranks), where the pipeline neighbour is 1 rank away, then the world's
+(data, pipeline, tensor) mesh: every send and receive to a pipeline neighbour and of a micro-batch's hidden states'
+shape, every collective on its group, the calls counted, each stage's forwards and backwards in 1F1B's order, the
+gradient shards, losses and weights against one process.
+
+check_context_parallel_nd: the (context, tensor) mesh (2, 2), then (4, 1) for one step, where C and T differ: the
+ring on the context group, the calls counted, RoPE's positions, each rank's loss share, the gradient shards, losses
+and weights against one process. An error raised inside the student's functions is said with the student's line.
 """
 import math
 import tempfile
@@ -20,8 +31,16 @@ import torch.distributed as dist
 from utils import fsdp
 from utils import nd_parallel as nd
 from utils.checks import CHECK_TIMEOUT, close, confirmed, max_abs_diff
-from utils.launch import runnable_world_sizes, spawn, under_torchrun
+from utils.launch import RankError, runnable_world_sizes, spawn, under_torchrun
 from utils.transformer import TransformerSizes, build_transformer, lm_loss, make_tokens, train_transformer_reference
+
+def _raise_composition_mistake(error, where):
+    """A rank's CompositionMistake (a call refused, or a library's error said where the student's code caused it)
+    raised here as an AssertionError `where: ...`; any other RankError as it is."""
+    if "CompositionMistake" in error.summary:
+        raise AssertionError(f"{where}: " + error.summary.split("CompositionMistake: ", 1)[-1]) from None
+    raise error
+
 
 # ---------------------------------------------------------------- section 1: the mesh
 
@@ -175,8 +194,57 @@ WRONG_GROUP = {
 }
 
 
+def _sync_problem(run, mesh):
+    """The sync's collectives right in values but not in kind or order, in words with their bytes, or None: FSDP's
+    reduce-scatter written as an all-reduce on the data group (a slice kept), or the tensor group's all-reduce of
+    the whole weights made before the reduce-scatter (whole gradients, not shards)."""
+    data_parallel, _ = mesh
+    sync = [("reduce-scatter" if name.startswith("reduce_scatter") else "all-reduce" if name == "all_reduce" else name,
+             group) for name, group in run.calls["sync"]]
+    where = f"on mesh (data, tensor) = {mesh}, rank {run.coordinate}"
+    counts = run.counts or {}
+    if data_parallel > 1 and ("all-reduce", "data") in sync and ("reduce-scatter", "data") not in sync:
+        handed = counts.get(("data", "all_reduce"), (0, 0))[1]
+        ring = f"{2 * (data_parallel - 1) * handed // data_parallel} bytes" if handed else "2(D-1)/D of them"
+        half = f"{(data_parallel - 1) * handed // data_parallel} bytes" if handed else "(D-1)/D"
+        return (f"{where}: the gradients were all-reduced on the data group and a slice of them kept: FSDP's "
+                f"reduce-scatter written as an all-reduce. The values are right, but every rank receives and holds "
+                f"the whole gradient ({handed} bytes handed to the all-reduces), {data_parallel} times the shard it "
+                f"keeps; on a ring an all-reduce sends {ring} per rank, a reduce-scatter half ({half}). Use a "
+                f"reduce-scatter (dist.reduce_scatter_single into the shard): on gloo both cost an all-reduce "
+                f"(notebook 01), on NCCL the reduce-scatter costs half")
+    scatters = [i for i, call in enumerate(sync) if call == ("reduce-scatter", "data")]
+    sums = [i for i, call in enumerate(sync) if call == ("all-reduce", "tensor")]
+    if data_parallel > 1 and scatters and sums and sums[0] < scatters[0]:
+        handed = counts.get(("tensor", "all_reduce"), (0, 0))[1]
+        shards = sum(g.numel() * g.element_size() for name, g in (run.synced or {}).items()
+                     if g is not None and not nd.sharded_over_tensor(name))
+        total = sum(nbytes for (group, _), (_, nbytes) in counts.items() if group == "tensor")
+        extra = f", +{100 * (handed - shards) / (total - handed + shards):.0f}% on the tensor group's step" \
+            if shards and total else ""
+        return (f"{where}: the whole weights' gradients were all-reduced over the tensor group BEFORE FSDP's "
+                f"reduce-scatter: the values are right, but that all-reduce moves whole gradients ({handed} bytes "
+                f"handed to it) where, after the reduce-scatter, it moves the shards ({shards} bytes, 1/{data_parallel}"
+                f"{extra}). Reduce-scatter first, then all-reduce the shard")
+    return None
+
+
+def _error_hint(error):
+    """What in sync_gradients caused the library's error `error` (a line of text), or ''."""
+    if "outputShape[0] * worldSize == inputShape[0]" in error or "split" in error or "size" in error:
+        return (": reduce_scatter_single's input must hold data-size times its output's elements: the input "
+                "fsdp.flat_padded(p.grad, D) (the whole gradient flattened, padded to D shards), the output a tensor "
+                "of the shard's size (torch.empty_like(shards[name]))")
+    if "KeyError" in error:
+        return ": shards is keyed by the names of model.named_parameters(), as they are"
+    return ""
+
+
 def _group_problem(run, mesh):
     """The first collective on a wrong group, in words (a hint when the groups differ on this mesh), or None."""
+    sync = _sync_problem(run, mesh)
+    if sync:
+        return sync
     data_parallel, tensor_parallel = mesh
     used = [("tensor parallel", group) for phase in ("forward", "backward") for _, group in run.calls[phase]]
     used += [("unshard", group) for _, group in run.calls["unshard"]]
@@ -293,10 +361,14 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
     passed = []
     for mesh in mesh_shapes:
-        runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
-                     timeout=CHECK_TIMEOUT)
+        try:
+            runs = spawn(nd.train_2d_main, n, parallelize, sync_gradients, sizes, *mesh, num_steps, seed,
+                         timeout=CHECK_TIMEOUT)
+        except RankError as e:
+            _raise_composition_mistake(e, f"on mesh (data, tensor) = {mesh}")
         problem = next((p for run in runs if (p := _group_problem(run, mesh))), None) or next(
-            (f"on mesh {mesh}, rank {run.coordinate}: {run.error}" for run in runs if run.error), None) or \
+            (f"on mesh {mesh}, rank {run.coordinate}: {run.error.rstrip(' .')}{_error_hint(run.error)}" for run in runs
+             if run.error), None) or \
             _gradient_problem(runs, mesh, grads)
         if problem and passed:
             problem += (f" (right on mesh {passed[0]}, wrong on {mesh}: is a size of one mesh written in? Take each "
@@ -341,6 +413,8 @@ def _count_problem(run, sizes, mesh, num_micro_batches):
     want = nd.formula_calls_3d(sizes, mesh, num_micro_batches, run.coordinate[1])
     got = {}
     for (group, name), (calls, _) in run.counts.items():
+        if group == "tensor" and mesh[2] == 1:  # a group of one rank: its calls move nothing
+            continue
         name = {"send": "isend", "irecv": "recv"}.get(name, name)  # blocking or not: the same hand-off
         got[group, name] = got.get((group, name), 0) + calls
     if got == want:
@@ -355,21 +429,58 @@ def _count_problem(run, sizes, mesh, num_micro_batches):
     return where
 
 
-def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches):
+def _gradient_problem_3d(runs, mesh, grads, last, num_micro_batches, per_micro_batch_ruled_out=False):
+    """The first wrong gradient shard, in words. `per_micro_batch_ruled_out`: an earlier mesh with T = 1 and the same
+    micro-batches passed, so a factor T is the division by T, not by m."""
     data_parallel, _, tensor_parallel = mesh
     m = num_micro_batches
+    not_by_m = (f"the loss of each micro-batch was not divided by the number of micro-batches ({m}): the step's loss "
+                f"is their mean")
+    not_by_t = (f"the loss share was not divided by T = {tensor_parallel} (nd.loss_share(model, x, targets, T, seq_len)"
+                f" takes the tensor group's size): a tensor group's shares add up to the data rank's loss")
 
     def mistakes(run, name, want):
         kept = _expected_shard(last[name], name, run.coordinate[::2], data_parallel, tensor_parallel)
-        return [(m * want, f"it is {m} times too large: the loss of each micro-batch was not divided by the number "
-                           f"of micro-batches ({m}): the step's loss is their mean"),
-                (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
-                           "zero the gradients between micro-batches"),
-                (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
-                       "micro-batches)")]
+        scaled = []
+        if tensor_parallel > 1:
+            scaled.append((tensor_parallel * want, f"it is {tensor_parallel} times too large: " + (
+                not_by_t if per_micro_batch_ruled_out or tensor_parallel != m else f"{not_by_m}; or {not_by_t} (on "
+                f"this mesh both give the same numbers)")))
+        return scaled + [
+            (m * want, f"it is {m} times too large: {not_by_m}"),
+            (kept / m, "only the last micro-batch's gradient was kept: each backward adds to .grad; do not "
+                       "zero the gradients between micro-batches"),
+            (kept, "only the last micro-batch's gradient was kept (and not divided by the number of "
+                   "micro-batches)")]
 
     return _first_wrong_shard(runs, mesh, ("data", "pipeline", "tensor"), grads, "train_step", mistakes,
                               names=lambda run: run.names, plane=lambda coordinate: coordinate[::2])
+
+
+def _order_problem(run, mesh, num_micro_batches):
+    """A stage's forwards and backwards (F, B) in another order than 1F1B's table, in words with the micro-batches
+    it held at once, or None."""
+    from utils import pipeline as pp
+
+    stage, num_stages = run.coordinate[1], mesh[1]
+    want = [kind for kind, _ in pp.one_f_one_b_order(stage, num_stages, num_micro_batches)]
+    if run.order is None or run.order == want:
+        return None
+
+    def peak(order):
+        alive = [order[:k + 1].count("F") - order[:k + 1].count("B") for k in range(len(order))]
+        return max(alive, default=0)
+
+    warm_up = next((k for k, kind in enumerate(run.order) if kind == "B"), len(run.order))
+    want_warm_up = want.index("B")
+    return (f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}: stage {stage} ran "
+            f"{' '.join(run.order)}, 1F1B's table (pp.one_f_one_b_order({stage}, {num_stages}, {num_micro_batches})) "
+            f"says {' '.join(want)}: " + (
+                f"{warm_up} forward(s) before its first backward where 1F1B's stage {stage} of {num_stages} runs "
+                f"{want_warm_up} (a warm-up of P - s - 1 = {num_stages - stage - 1}, then one forward and one backward "
+                f"in turn); " if warm_up != want_warm_up else "")
+            + f"it held {peak(run.order)} micro-batches' activations at once instead of {peak(want)}. The values "
+              f"are the same; the schedule, and its memory, are not: run the table's order")
 
 
 def _unpaired_hint(unpaired, mesh, num_micro_batches):
@@ -385,45 +496,72 @@ def _unpaired_hint(unpaired, mesh, num_micro_batches):
             f"their gradients the other way, as many")
 
 
-def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
-                      num_steps=NUM_STEPS, seed=0):
-    """Train on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on 8) with 1F1B over
-    `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group (refused on the
-    rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d, the first step's
-    gradient shards, then losses and weights after `num_steps` AdamW steps, against one process (1e-12)."""
-    from utils.launch import RankError
+def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
+    """The (data, pipeline, tensor) meshes the check trains on, as (world size, mesh): first (2, 2, 1) on 4 ranks for
+    one step, where the pipeline neighbour is 1 rank away and the data, pipeline and tensor sizes are not all equal
+    (on (2, 2, 2) a stride taken from the wrong size, or a division by T instead of m, gives the same numbers);
+    then the world's mesh ((2, 2, 2) on 8)."""
+    mesh, extra = mesh_3d(world_size), (2, 2, 1)
+    fits = sizes.batch_size % (2 * num_micro_batches) == 0 and sizes.num_layers % 2 == 0
+    return ([(4, extra)] if fits and mesh != extra and not under_torchrun() else []) + [(world_size, mesh)]
 
-    (n,) = runnable_world_sizes([world_size])
-    mesh = mesh_3d(n)
-    nd.check_sizes_3d(sizes, mesh, n, num_micro_batches)  # a ValueError names what does not split
-    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+
+def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed):
+    """The ranks' Run3D on `mesh`; a refused call or a stall (the sends and receives that do not pair up, from the
+    ranks' journals) raised as an AssertionError naming it."""
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
-            runs = spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+            return spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
                          seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
-                raise AssertionError(f"on mesh (data, pipeline, tensor) = {mesh}: "
-                                     + e.summary.split("CompositionMistake: ", 1)[-1]) from None
+                _raise_composition_mistake(e, f"on mesh (data, pipeline, tensor) = {mesh}")
             waited = isinstance(e, TimeoutError) or "already returned from fn" in e.summary  # for a peer, in vain
             unpaired = waited and nd.unpaired_messages(journal_dir, n)
             if unpaired:
                 raise AssertionError(_unpaired_hint(unpaired, mesh, num_micro_batches)) from e
             raise
-    errors = [run.error for run in runs if run.error]
-    if errors:
-        raise AssertionError(next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]))
-    problem = next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))), None) or \
-        _gradient_problem_3d(runs, mesh, reference_gradients(sizes, seed),
-                             last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches)
-    if problem:
-        raise AssertionError(problem)
-    _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
-                   nd.global_losses(runs, mesh[0]), weights, losses, mesh, ": is every step the same?")
-    print(f"3-D on {n} ranks, mesh (data, pipeline, tensor) = {mesh}, 1F1B over {num_micro_batches} micro-batches: "
-          f"every send/recv to a pipeline neighbour, every collective on its group and counted as the formulas "
-          f"say; every gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps "
-          f"equal one process's (1e-12)")
+
+
+def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES,
+                      num_steps=NUM_STEPS, seed=0):
+    """Train on (2, 2, 1) for one step, then on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on
+    8) with 1F1B over `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group
+    (refused on the rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d,
+    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then losses
+    and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+    (n,) = runnable_world_sizes([world_size])
+    runs_on = meshes_3d(n, sizes, num_micro_batches)
+    for k, mesh in runs_on:
+        nd.check_sizes_3d(sizes, mesh, k, num_micro_batches)  # a ValueError names what does not split
+    weights, losses = train_transformer_reference(sizes, num_steps, seed)
+    grads = reference_gradients(sizes, seed)
+    passed = []
+    for k, mesh in runs_on:
+        last_mesh = mesh == runs_on[-1][1]
+        runs = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, num_steps if last_mesh else 1,
+                       seed)
+        errors = [run.error for run in runs if run.error]
+        problem = next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]) if errors else None
+        problem = problem or next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))),
+                                  None) or _gradient_problem_3d(
+            runs, mesh, grads, last_micro_batch_gradients(sizes, mesh, num_micro_batches, seed), num_micro_batches,
+            per_micro_batch_ruled_out=any(m[2] == 1 for m in passed)) or next(
+            (p for run in runs if (p := _order_problem(run, mesh, num_micro_batches))), None)
+        if problem and passed:
+            problem += f" (right on mesh {passed[0]}, wrong on {mesh})"
+        if problem:
+            raise AssertionError(problem)
+        passed.append(mesh)
+        if last_mesh:
+            _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
+                           nd.global_losses(runs, mesh[0]), weights, losses, mesh, ": is every step the same?")
+    first = "".join(f"{m} on {k} ranks for the first step, then " for k, m in runs_on[:-1])
+    mesh = runs_on[-1][1]
+    print(f"3-D, mesh (data, pipeline, tensor) = {first}{mesh} on {n}, 1F1B over {num_micro_batches} "
+          f"micro-batches: every send/recv to a pipeline neighbour, every collective on its group and counted as the "
+          f"formulas say, each stage's forwards and backwards in 1F1B's order; every gradient shard of the first "
+          f"step, the losses and the weights after {num_steps} AdamW steps equal one process's (1e-12)")
 
 
 # ---------------------------------------------------------------- section 4: context parallel, (context, tensor)
@@ -436,8 +574,42 @@ def mesh_cp(world_size):
     return nd.default_mesh(world_size, nd.MESH_CP)
 
 
-def _cp_problem(runs, mesh, sizes, grads):
-    """The first wrong positions or gradient shard of the first step, in words, or None."""
+def cp_loss_shares(sizes, mesh, seed=0):
+    """{(c, t): rank (c, t)'s loss share at the first step}, one process's: the mean of its tokens' losses (its
+    context chunk's tensor part of every sequence) divided by T, so that a data rank's shares add up to its loss."""
+    from utils.nd_parallel.context import cp_tokens
+
+    model, (inputs, targets) = build_transformer(sizes, seed), make_tokens(sizes, seed, 0)
+    with torch.no_grad():
+        logits = model(inputs)
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    per_token = per_token.view(targets.shape)
+    context_parallel, tensor_parallel = mesh
+    return {(c, t): cp_tokens(per_token, per_token, ((c, t), mesh))[0].mean().item() / tensor_parallel
+            for c in range(context_parallel) for t in range(tensor_parallel)}
+
+
+def _cp_loss_problem(run, mesh, share):
+    """This rank's first loss share against one process's, in words naming the count it was divided by, or None."""
+    context_parallel, tensor_parallel = mesh
+    got = run.losses[0] if run.losses else None
+    if got is None or abs(got - share) <= 1e-12:
+        return None
+    where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: the loss share returned at the first step"
+    fits = [(tensor_parallel, "not divided by T: the loss share is lm_loss of this rank's tokens / T (the tensor "
+                             "group's size, nd.loss_share's integer), so that a tensor group's shares add up to the "
+                             "context rank's loss"),
+            (tensor_parallel / context_parallel, f"divided by the context size C = {context_parallel} instead of the "
+                                                f"tensor size T = {tensor_parallel}: the loss share is divided by T; "
+                                                f"the context group's mean is the sync's (its reduce-scatter's / C)"),
+            (1 / context_parallel, f"divided by C = {context_parallel} as well as by T: the context group's mean is "
+                                   f"taken once, by the sync")]
+    hint = "; or ".join(h for factor, h in fits if factor != 1 and abs(got - factor * share) <= 1e-12)
+    return f"{where} is {got:.12g}, one process's {share:.12g}" + (f": {hint}" if hint else "")
+
+
+def _cp_problem(runs, mesh, sizes, grads, seed=0):
+    """The first wrong positions, loss share or gradient shard of the first step, in words, or None."""
     from utils import ring_attention as ra
 
     context_parallel, tensor_parallel = mesh
@@ -450,6 +622,10 @@ def _cp_problem(runs, mesh, sizes, grads):
                     "(ra.chunk_positions(seq_len, C)[c]), or its queries and keys rotate as if every chunk started "
                     "the sequence" if run.positions == list(range(len(chunks[c]))) else "")
             return f"{where}: the attention saw positions {run.positions}, expected {chunks[c].tolist()}{hint}"
+    shares = cp_loss_shares(sizes, mesh, seed)
+    problem = next((p for run in runs if (p := _cp_loss_problem(run, mesh, shares[run.coordinate]))), None)
+    if problem:
+        return problem
     return _first_wrong_shard(runs, mesh, ("context", "tensor"), grads, "train_step", lambda run, name, want: [
         (want / context_parallel, f"it is {context_parallel} times too small: the context group's mean was taken "
                                   f"twice (the loss divided by the context size, and the sync's reduce-scatter "
@@ -461,7 +637,7 @@ def _cp_problem(runs, mesh, sizes, grads):
 def _cp_count_problem(run, mesh, want):
     """One rank's calls of the first step against nd.formula_calls_cp, in words (naming FSDP's collectives on the
     tensor group when the counts show them there), or None."""
-    got = {k: calls for k, (calls, _) in run.counts.items()}
+    got = {k: calls for k, (calls, _) in run.counts.items() if k[0] != "tensor" or mesh[1] > 1}  # a group of one
     if got == want:
         return None
     where = f"on mesh (context, tensor) = {mesh}, rank {run.coordinate}: calls per step {got}, expected {want}"
@@ -475,33 +651,49 @@ def _cp_count_problem(run, mesh, want):
     return where
 
 
+def cp_meshes(world_size):
+    """The (context, tensor) meshes the check trains on: (2, 2) on 4 ranks, then (4, 1) for one step, where the
+    context and tensor sizes differ (on (2, 2) a division by the one instead of the other gives the same numbers)."""
+    mesh = mesh_cp(world_size)
+    other = (world_size, 1)
+    return [mesh] + ([other] if other != mesh and world_size > 2 else [])
+
+
+def _train_cp(parallelize, train_step, n, sizes, mesh, num_steps, seed):
+    """The ranks' RunCP on `mesh`, a rank's refused call (CompositionMistake) raised as an AssertionError."""
+    try:
+        return spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed, timeout=CHECK_TIMEOUT)
+    except RankError as e:
+        _raise_composition_mistake(e, f"on mesh (context, tensor) = {mesh}")
+
+
 def check_context_parallel_nd(parallelize, train_step, world_size, sizes=CP_SIZES, num_steps=NUM_STEPS, seed=0):
     """Train on the (context, tensor) mesh of `world_size` ranks ((2, 2) on 4): the ring's sends on the context
     group and every collective on its group (refused on the rank before it runs), the calls counted against
-    nd.formula_calls_cp, the positions RoPE saw, the first step's gradient shards, then losses and weights after
-    `num_steps` AdamW steps, against one process (1e-12)."""
-    from utils.launch import RankError
-
+    nd.formula_calls_cp, the positions RoPE saw, each rank's loss share and the first step's gradient shards, then
+    losses and weights after `num_steps` AdamW steps, against one process (1e-12); then the first step on (4, 1),
+    where the context and tensor sizes differ."""
     (n,) = runnable_world_sizes([world_size])
-    mesh = mesh_cp(n)
-    nd.check_sizes_cp(sizes, mesh, n)  # a ValueError names what does not split, before any rank starts
+    meshes_cp = cp_meshes(n)
+    for mesh in meshes_cp:
+        nd.check_sizes_cp(sizes, mesh, n)  # a ValueError names what does not split, before any rank starts
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
-    try:
-        runs = spawn(nd.train_cp_main, n, parallelize, train_step, sizes, mesh, num_steps, seed,
-                     timeout=CHECK_TIMEOUT)
-    except RankError as e:
-        if "CompositionMistake" in e.summary:
-            raise AssertionError(f"on mesh (context, tensor) = {mesh}: "
-                                 + e.summary.split("CompositionMistake: ", 1)[-1]) from None
-        raise
-    want_calls = nd.formula_calls_cp(sizes, mesh)
-    problem = next((p for run in runs if (p := _cp_count_problem(run, mesh, want_calls))), None) or \
-        _cp_problem(runs, mesh, sizes, reference_gradients(sizes, seed))
-    if problem:
-        raise AssertionError(problem)
-    _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
-                   nd.global_losses(runs, mesh[0]), weights, losses, mesh)
-    print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}, {sizes.seq_len} tokens: the "
-          f"ring on the context group, every call counted as the formulas say, RoPE at global positions; every "
-          f"gradient shard of the first step, the losses and the weights after {num_steps} AdamW steps equal one "
-          f"process's (1e-12)")
+    grads = reference_gradients(sizes, seed)
+    for k, mesh in enumerate(meshes_cp):
+        runs = _train_cp(parallelize, train_step, n, sizes, mesh, num_steps if k == 0 else 1, seed)
+        want_calls = nd.formula_calls_cp(sizes, mesh)
+        problem = next((p for run in runs if (p := _cp_count_problem(run, mesh, want_calls))), None) or \
+            _cp_problem(runs, mesh, sizes, grads, seed)
+        if problem and k > 0:
+            problem += (f" (right on mesh {meshes_cp[0]}, where the context and tensor sizes are equal: is one "
+                        f"group's size used for the other's?)")
+        if problem:
+            raise AssertionError(problem)
+        if k == 0:
+            _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
+                           nd.global_losses(runs, mesh[0]), weights, losses, mesh)
+    mesh, others = meshes_cp[0], "".join(f" and {m} for the first step" for m in meshes_cp[1:])
+    print(f"context x tensor parallel on {n} ranks, mesh (context, tensor) = {mesh}{others}, {sizes.seq_len} tokens: "
+          f"the ring on the context group, every call counted as the formulas say, RoPE at global positions, each "
+          f"rank's loss share; every gradient shard of the first step, the losses and the weights after {num_steps} "
+          f"AdamW steps equal one process's (1e-12)")

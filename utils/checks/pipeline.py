@@ -21,7 +21,10 @@ Notebook 11 (schedules past 1F1B):
 - `check_interleaved_step`, `check_zb_h1_step`: train with the student's schedule on WORLD_SIZE ranks
   and on 2, and compare with the single-process run; each rank's recorded order of computations
   against the schedule's table (`pp.interleaved_order`, `pp.zb_h1_order`), its messages against the
-  count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once.
+  count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once. Each send and
+  receive is compared, before it runs, with the table's next hand-off (a peer right on 2 ranks only,
+  a skipped send); gradients that are all one multiple of one process's name the count the loss was
+  divided by; an error raised inside the student's function is said with its cause.
 
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
@@ -387,16 +390,28 @@ def _check_split(where, num_weights, num_layers):
                              f"{p} each, and one more on the first {num_layers % p} stage(s)")
 
 
-def _check_losses(where, got, want):
+def _check_losses(where, got, want, last_alone=None):
+    """The last stage's loss by step against one process's; `last_alone`: step 0's last micro-batch's loss / m,
+    what a loss overwritten instead of added up returns."""
     if where.stage < where.num_stages - 1:
         if any(g is not None for g in got):
             raise AssertionError(f"{where}: returned a loss; only the last stage has one (return None)")
         return
     for step, (g, w) in enumerate(zip(got, want)):
-        if not isinstance(g, float) or abs(g - w) > TOLERANCE:
-            g = f"a tensor of shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else g
-            raise AssertionError(f"{where}: the loss returned at step {step} is {g}; the full batch's loss is {w:.6g} "
-                                 f"(the sum of the micro-batches' losses, each divided by num_micro_batches)")
+        if isinstance(g, float) and abs(g - w) <= TOLERANCE:
+            continue
+        hint, text = "", f"a tensor of shape {tuple(g.shape)}" if isinstance(g, torch.Tensor) else repr(g)
+        if isinstance(g, float):
+            diff = abs(g - w)
+            hint = f", {diff:.3g} apart (tolerance {TOLERANCE:g})"
+            if diff <= 1e-6 * abs(w):
+                hint += (": a float32 rounding error; the loss was computed or added up in float32 (a .float(), or "
+                         "a float32 tensor): keep the model's float64")
+            elif step == 0 and last_alone is not None and abs(g - last_alone) <= TOLERANCE:
+                hint += (": that is the last micro-batch's loss alone: the loss was overwritten at each micro-batch; "
+                         "add each micro-batch's (loss = loss + y.detach())")
+        raise AssertionError(f"{where}: the loss returned at step {step} is {text}; the full batch's loss is {w!r}"
+                             f"{hint} (the sum of the micro-batches' losses, each divided by num_micro_batches)")
 
 
 def _check_weights(where, names, ours, reference, pytorch):
@@ -584,14 +599,35 @@ def _same(got, want):
     return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
 
 
-def _run_w(where, backward_weight, piece, y, grad):
+SPLIT_ERRORS = [  # (words in the error autograd raised, what in B or W caused it)
+    ("second time", "W failed: the graph was freed by B. B must keep it for W (retain_graph=True): W walks the "
+                    "same graph to the weights"),
+    ("already been freed", "W failed: the graph was freed by B. B must keep it for W (retain_graph=True): W walks "
+                           "the same graph to the weights"),
+    ("grad can be implicitly created only for scalar outputs",
+     "autograd was not given grad: on every piece but the last, y is an activation, not a scalar loss; the gradient "
+     "of y (grad) must be passed (torch.autograd.grad(y, x, grad, ...), torch.autograd.backward(y, grad, ...))"),
+    ("does not require grad", "a gradient was asked of x, which needs none: on the first piece x is the data "
+                              "(x.requires_grad is False): B returns None there"),
+    ("does not have a grad_fn", "a gradient was asked of x, which needs none: on the first piece x is the data "
+                                "(x.requires_grad is False): B returns None there"),
+]
+
+
+def _call_split(where, fn, *args):
+    """fn(*args), a library's error raised inside it turned into an AssertionError naming its cause."""
     try:
-        backward_weight(piece, y, grad)
-    except RuntimeError as e:
-        if "second time" in str(e) or "already been freed" in str(e):
-            raise AssertionError(f"{where}: W failed: the graph was freed by B. B must keep it for W "
-                                 f"(retain_graph=True): W walks the same graph to the weights") from None
+        return fn(*args)
+    except AssertionError:
         raise
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else ""
+        hint = next((h for words, h in SPLIT_ERRORS if words in text), None)
+        raise AssertionError(f"{where}: raised {type(e).__name__}: {text}" + (f": {hint}" if hint else "")) from None
+
+
+def _run_w(where, backward_weight, piece, y, grad):
+    _call_split(where, backward_weight, piece, y, grad)
 
 
 def _expect_weights(where, piece, want, names, m, one=None):
@@ -628,7 +664,7 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
             ys.append(loss_fn(y) / m if piece.is_last else y)
         for i, (x, y) in enumerate(zip(xs, ys)):
             where = f"backward_input on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
-            dx = backward_input(x, y, _upstream(piece, y, seed, i))
+            dx = _call_split(where, backward_input, x, y, _upstream(piece, y, seed, i))
             touched = [n for p, n in zip(piece.parameters(), names) if p.grad is not None]
             if touched:
                 raise AssertionError(f"{where}: B left {touched[0]}.grad set: B alone must leave the weights' .grad "
@@ -640,7 +676,9 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
                                          f"needs no gradient: return None")
                 continue
             if not _same(dx, want_dx[i]):
-                what = f"a {type(dx).__name__}" if not isinstance(dx, torch.Tensor) else (
+                what = ("a tuple: torch.autograd.grad returns one gradient per input, unpack it ((dx,) = ...)"
+                        if isinstance(dx, (tuple, list)) else f"a {type(dx).__name__}") \
+                    if not isinstance(dx, torch.Tensor) else (
                     "the gradient it was given, not the input's" if _same(dx, _upstream(piece, y, seed, i)) else
                     f"off by {max_abs_diff(dx, want_dx[i]):.3g}" if dx.shape == want_dx[i].shape else
                     f"of shape {tuple(dx.shape)}")
@@ -715,17 +753,95 @@ def hand_offs_per_step(rank, world_size, num_virtual, m):
     return m * (sum(p != last for p in pieces) + sum(p != 0 for p in pieces))
 
 
-def _check_peers(where, world_size):
-    """An intercept `before` that refuses a peer outside 0..p-1."""
+def expected_hand_offs(kind, rank, world_size, num_virtual, m):
+    """The sends and receives of one step on `rank`, in the table's order: [("send" or "recv", peer, what, the
+    chunks of the forwards the table runs up to it)]. A forward receives its input from the previous piece's rank and
+    sends its output to the next's; a backward receives its output's gradient from the next and sends its input's
+    back (on ZB-H1's first stage too: its B has no input gradient to compute, but receives)."""
+    last, hand_offs, forwards = world_size * num_virtual - 1, [], []
+    previous, following = (rank - 1) % world_size, (rank + 1) % world_size
+    table = pp.interleaved_order(rank, world_size, num_virtual, m) if kind == "interleaved" else \
+        [(k, 0, i) for k, i in pp.zb_h1_order(rank, world_size, m)]
+    for action, chunk, i in table:
+        piece = rank + chunk * world_size
+        label = f"{action}{i}" + (f".{chunk}" if kind == "interleaved" else "")
+        forwards = forwards + [chunk] * (action == "F")
+        if action == "F":
+            hand_offs += [("recv", previous, f"{label}'s input, from the previous piece's rank", forwards)] * (piece != 0)
+            hand_offs += [("send", following, f"{label}'s output, to the next piece's rank", forwards)] * (piece != last)
+        elif action == "B":
+            hand_offs += [("recv", following, f"{label}'s output gradient, from the next piece's rank",
+                           forwards)] * (piece != last)
+            hand_offs += [("send", previous, f"{label}'s input gradient, to the previous piece's rank",
+                           forwards)] * (piece != 0)
+    return hand_offs
+
+
+def _check_peers(where, world_size, expected=(), forwards=None):
+    """An intercept `before` that refuses a peer outside 0..p-1, and a peer other than the table's (`expected`:
+    expected_hand_offs) while the calls come in the table's order (a schedule that posts them in another order is
+    left to the other checks); `forwards`: the chunks of the forwards run so far, live (a blocking receive where the
+    table's next hand-off is a forward's send, after the table's forwards, means that send was skipped)."""
+    position = [0]
+
     def before(call, arguments):
         if call.name not in SENDS + RECEIVES:
             return
-        peer = arguments.get("dst" if call.name in SENDS else "src")
-        if not 0 <= peer < world_size:
-            raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: the piece after "
-                                 f"the last rank's is on rank 0, and the one before rank 0's on rank {world_size - 1} "
-                                 f"((rank ± 1) % p)")
+        sending = call.name in SENDS
+        peer = arguments.get("dst" if sending else "src")
+        if peer is None or not 0 <= peer < world_size:
+            wrap = ("the piece after the last rank's is on rank 0, and the one before rank 0's on rank "
+                    f"{world_size - 1} ((rank ± 1) % p)" if where.kind == "interleaved" else
+                    "the first stage receives nothing forward and sends nothing back; the last stage sends nothing "
+                    "forward and receives nothing back")
+            raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: {wrap}")
+        if position[0] is None or position[0] >= len(expected):
+            return
+        kind, want, what, table_forwards = expected[position[0]]
+        if kind == "send" and call.name == "recv" and what.startswith("F") and \
+                forwards[:len(table_forwards)] == table_forwards:
+            raise AssertionError(
+                f"{where}: a blocking dist.recv from rank {peer} where the table's next hand-off on this rank is a "
+                f"send: {what}. Was that send skipped? The neighbour may be waiting for it while this rank waits: "
+                f"every piece but the model's last sends its output on (only piece.is_last, the model's last piece, "
+                f"keeps the loss)")
+        if kind != ("send" if sending else "recv"):
+            position[0] = None  # posted in another order: not this check's to judge
+            return
+        position[0] += 1
+        if peer != want:
+            direction = "the next rank, (rank + 1)" if want == (where.rank + 1) % world_size else \
+                "the previous rank, (rank - 1)"
+            raise AssertionError(f"{where}: dist.{call.name} with rank {peer} for {what}: that is {direction} % p = "
+                                 f"{want}, expected; a direction that is right on 2 ranks only (where the next rank "
+                                 f"is the previous one)")
     return before
+
+
+STUDENT_ERRORS = [  # (words in the error, what in the student's code raised it)
+    ("grad can be implicitly created only for scalar outputs",
+     "backward of an output that is not the loss, without its gradient: only the last piece's output is the loss; "
+     "elsewhere back-propagate the gradient received from the next rank (y.backward(grad), or pass it to autograd)"),
+    ("does not require grad",
+     "a gradient asked of a tensor that does not require one: a received input must be made a leaf that requires "
+     "grad (x.requires_grad_()) before the forward; the first piece's input is the data, with no gradient to send"),
+    ("second time", "a backward through a graph already freed: each micro-batch's graph is walked once (B then W: "
+                    "B keeps it, retain_graph=True)"),
+]
+NONE_SENT = ("a None where a tensor was expected: x.grad is None when the received input did not require grad "
+             "(x.requires_grad_()), and on the first piece (its input is the data: send nothing back from it)")
+STUDENT_ERRORS += [("NoneType", NONE_SENT), ("of type torch.Tensor", NONE_SENT)]
+
+
+def _student_error(where, label, error):
+    """An AssertionError naming what, in the student's function, raised `error`."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    hint = next((h for words, h in STUDENT_ERRORS if words in f"{type(error).__name__} {text}"), None)
+    if isinstance(error, KeyError):
+        hint = (f"a forward's tensors were not found at their backward (key {text}): keep each forward's (x, y) "
+                + ("by (chunk, micro-batch)" if where.kind == "interleaved" else
+                   "by micro-batch until its W (B reads them, W pops them)") + " and take the ones the table names")
+    return AssertionError(f"{where}: {label} raised {type(error).__name__}: {text}" + (f": {hint}" if hint else ""))
 
 
 def _check_order(where, record, table):
@@ -744,6 +860,9 @@ def _check_order(where, record, table):
         hint = ": a W ran early; ZB-H1 runs it where the table puts it (into the cool-down's bubble)"
     elif where.kind == "zb-h1" and k < len(table) and table[k][0] == "W":
         hint = ": the W that the table puts here did not run (W deferred too long keeps activations alive)"
+    elif k < len(got) and k < len(table) and got[k][::2] == table[k][::2] and got[k][1] != table[k][1]:
+        hint = (f": {got[k][0]}{got[k][2]} ran on chunk {got[k][1]} where the table says chunk {table[k][1]}: run "
+                f"pieces[chunk], the chunk the table names")
     elif where.kind == "interleaved" and k < len(got) and k < len(table) and got[k][0] == table[k][0] == "B":
         hint = (": the backward ran on the wrong piece or micro-batch: keep each forward's tensors by (chunk, "
                 "micro-batch) and take the ones the table names")
@@ -793,13 +912,59 @@ def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes
             _check_isends(where, record, "this schedule")
 
         def watched(stage, batch, m):
-            with intercept(before=_check_peers(where, world_size)):
-                return schedule(stage, batch, m)
+            expected = expected_hand_offs(kind, rank, world_size, num_virtual if pieces else 1, m)
+            forwards = []  # the chunks of the forwards run so far
+            modules = list(stage) if isinstance(stage, torch.nn.ModuleList) else [stage]
+            hooks = [module.register_forward_pre_hook(lambda *_, k=k: forwards.append(k))
+                     for k, module in enumerate(modules)]
+            try:
+                with intercept(before=_check_peers(where, world_size, expected, forwards)):
+                    return schedule(stage, batch, m)
+            except AssertionError:
+                raise
+            except Exception as e:  # a library's error, raised inside the student's code
+                raise _student_error(where, label, e) from e
+            finally:
+                for hook in hooks:
+                    hook.remove()
 
         run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
         runs[m] = run
     return runs
+
+
+def _check_scaled(where, got, want):
+    """Every weight's gradient the same multiple c != 1 of the full batch's: a loss divided by the wrong count,
+    named by what c is."""
+    if any(g is None for g in got) or not got:
+        return
+    w = torch.cat([x.flatten() for x in want])
+    g = torch.cat([x.flatten() for x in got])
+    c = (g @ w / (w @ w)).item()
+    if abs(c - 1) < 1e-9 or max_abs_diff(g, c * w) > TOLERANCE * max(1.0, abs(c)):
+        return
+    m, p, v = where.m, where.world_size, (where.num_virtual if where.pieces else 1)
+    counts = {2: "accumulated twice (B and W both added to .grad, or W ran twice)", m: None, 1 / m: f"divided by num_micro_batches twice (1/{m} * 1/{m})", 1 / p: "divided by the "
+              f"world size p = {p}", 1 / (p * v): f"divided by the number of pieces p v = {p * v}", 1 / v: "divided "
+              f"by the pieces per rank v = {v}", m / p: f"divided by the world size p = {p}, not by m = {m}",
+              m / (p * v): f"divided by the pieces p v = {p * v}, not by m = {m}", m / v: f"divided by v = {v}, not by "
+              f"m = {m}"}
+    fits = [w for k, w in counts.items() if abs(c - k) < 1e-9]
+    if None in fits:  # m times: _check_gradients says it
+        return
+    what = " or ".join(dict.fromkeys(fits))  # every count that gives this factor on this run
+    raise AssertionError(f"{where}: every weight's gradient is {c:.4g} times the full batch's: " + (
+        f"each micro-batch's loss was {what}; divide it by num_micro_batches ({m}) only" if what else
+        f"a loss divided by the wrong count; each micro-batch's loss is divided by num_micro_batches ({m}) only"))
+
+
+def _last_micro_batch_loss(sizes, m):
+    """Step 0's last micro-batch's loss / m, on one process: what a schedule returns that overwrites its loss."""
+    mlp = build_mlp(sizes["hidden_dim"], sizes["num_layers"], sizes["seed"])
+    batch = make_batch(sizes["batch_size"], sizes["hidden_dim"], sizes["seed"], 0)
+    with torch.no_grad():
+        return (loss_fn(mlp(batch.chunk(m)[-1])) / m).item()
 
 
 def _check_pieces_run(where, run, reference, sizes):
@@ -812,8 +977,9 @@ def _check_pieces_run(where, run, reference, sizes):
         raise AssertionError(f"{where}: with one micro-batch, the weights' gradients are twice the full batch's: they "
                              f"were accumulated twice; B (backward_input) must leave .grad alone, W adds them once")
     names = parameter_names(sizes["num_layers"])
+    _check_scaled(where, run.grads, [grads[i] for i in layers])
     _check_gradients(where, run.grads, [grads[i] for i in layers], [names[i] for i in layers])
-    _check_losses(where, run.losses, losses)
+    _check_losses(where, run.losses, losses, _last_micro_batch_loss(sizes, where.m))
     for i, got in zip(layers, run.weights):
         diff = max_abs_diff(got, weights[i])
         if diff > TOLERANCE:

@@ -2,6 +2,7 @@
 the bytes it wrote to the sockets, and the vocabulary the compositions' guards share to refuse a call that would hang
 or mix the ranks (a send to the wrong peer, a collective on the wrong group) before it runs."""
 import contextlib
+import traceback
 
 import torch.distributed as dist
 
@@ -74,3 +75,24 @@ def peer_of(name, arguments):
     if arguments.get(group_key) is not None:
         return dist.get_global_rank(arguments.get("group") or dist.group.WORLD, arguments[group_key])
     return arguments.get(rank_key)
+
+
+def raised_in(function, error, hint=""):
+    """A CompositionMistake saying that the student's `function` raised `error`, and on which of its lines (the last
+    frame of the traceback in a notebook's code), with `hint` or one of the usual causes: a library's error, said
+    where the student's code caused it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if ".ipynb" in f.filename]
+    line = f", at `{frames[-1].line}`" if frames and frames[-1].line else ""
+    text = str(error).splitlines()[0] if str(error) else ""
+    if hint:
+        pass
+    elif "chunk_positions" in line and isinstance(error, IndexError):
+        hint = (": ra.chunk_positions(seq_len, C) has one chunk per CONTEXT rank: C is the context group's size and "
+                "the index its rank (dist.get_world_size / dist.get_rank of groups['context'])")
+    elif "recv" in line and isinstance(error, RuntimeError):
+        hint = (": the receive's buffer is not what the neighbour sends: the hidden states of this rank's tokens, "
+                "float64, (micro-batch, this rank's chunk of positions, dim): nd.hidden_like(tokens, model.sizes); a "
+                "gradient is shaped like the output it belongs to (torch.empty_like(y))")
+    elif isinstance(error, KeyError):
+        hint = ": groups is a dict keyed by the mesh's dimension names" if "group" in line else ""
+    return CompositionMistake(f"{function} raised {type(error).__name__}: {text}{line}{hint}")

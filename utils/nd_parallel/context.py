@@ -10,7 +10,7 @@ import torch.distributed as dist
 from utils import pytorch_reference
 from utils import sequence_parallel as sp
 from utils.model import make_optimizer
-from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake
+from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, raised_in
 from utils.nd_parallel.fsdp_tensor import sharded_over_tensor, train_and_record
 from utils.nd_parallel.mesh import check_mesh, mesh_groups
 from utils.nd_parallel.pipeline_3d import stage_names
@@ -74,7 +74,10 @@ def train_cp_main(rank, world_size, parallelize, train_step, sizes, mesh, num_st
     chunk of every sequence; forward, backward and the gradients' sync), AdamW on the shards, reshard. Every call
     is guarded (guard_cp); the first step is recorded (RunCP)."""
     groups, coordinate = mesh_groups(mesh, MESH_CP)
-    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    try:
+        model, shards = parallelize(build_transformer(sizes, seed), groups)
+    except Exception as e:  # a library's error inside the student's code: said where it came from
+        raise raised_in("parallelize_cp", e) from e
     run = RunCP(coordinate)
     first = next(iter(model.layers.values())).attention
     attend = first.attend
@@ -86,7 +89,12 @@ def train_cp_main(rank, world_size, parallelize, train_step, sizes, mesh, num_st
 
     def step(i):
         inputs, targets = cp_tokens(*make_tokens(sizes, seed, i), (coordinate, mesh))
-        return train_step(model, shards.shards, inputs, targets, groups)
+        try:
+            return train_step(model, shards.shards, inputs, targets, groups)
+        except AssertionError:  # a call refused by the guard: its own words
+            raise
+        except Exception as e:  # a library's error inside the student's code: said where it came from
+            raise raised_in("train_step", e) from e
 
     return train_and_record(run, shards, groups, guard_cp(groups), step, num_steps, lr)
 

@@ -24,7 +24,8 @@ from utils import sequence_parallel as sp
 from utils.counting import bytes_written
 from utils.memory import MemoryTracker
 from utils.model import make_optimizer
-from utils.nd_parallel.communication import bytes_per_group, calls_per_group, communication_by_group, phase_marker
+from utils.nd_parallel.communication import (bytes_per_group, calls_per_group, communication_by_group, phase_marker,
+                                             raised_in)
 from utils.nd_parallel.mesh import MESH_2D, check_mesh, mesh_groups
 from utils.sizes import divide
 from utils.transformer import Transformer, build_transformer, lm_loss, make_tokens
@@ -145,7 +146,12 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
     step is recorded (Run2D); with track_memory, the model state's peak over the second (utils.memory)."""
     groups, coordinate = mesh_groups((data_parallel, tensor_parallel))
     run = Run2D(coordinate, {name: dist.get_process_group_ranks(g) for name, g in groups.items()})
-    model, shards = parallelize(build_transformer(sizes, seed), groups["tensor"], groups["data"])
+    try:
+        model, shards = parallelize(build_transformer(sizes, seed), groups["tensor"], groups["data"])
+    except Exception as e:  # a library's error inside the student's code: said where it came from
+        raise raised_in("parallelize_2d", e, ": the order is tensor + sequence parallel first, on the tensor group "
+                        "(nd.tensor_sequence_parallel(model, tensor_group)), then FlatShards of what each rank then "
+                        "holds, on the data group (FlatShards flattens the parameters it shards)") from e
     optimizer = make_optimizer(shards.parameters(), "adamw", lr)
     for step in range(num_steps):
         inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate, data_parallel, tensor_parallel)
@@ -164,7 +170,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
                 run.unsynced = {name: p.grad.clone() for name, p in model.named_parameters()}
             try:
                 sync_gradients(model, shards.shards, groups["tensor"], groups["data"])
-            except RuntimeError as e:  # a collective refused its tensors (a shard's size for another group)
+            except Exception as e:  # a collective refused its tensors (a shard's size for another group), a key
                 run.error = f"sync_gradients raised {type(e).__name__}: {str(e).splitlines()[0]}"
             mark("sync")
             if run.error:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from utils import pytorch_reference
 from utils import sequence_parallel as sp
 from utils.model import make_optimizer
-from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, peer_of
+from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, peer_of, raised_in
 from utils.nd_parallel.fsdp_tensor import full_weights, my_tokens, sharded_over_tensor, train_and_record
 from utils.nd_parallel.mesh import MESH_3D, check_mesh, mesh_groups
 from utils.sizes import check_int, divide
@@ -65,17 +65,29 @@ def pipeline_neighbours(pipeline_group):
     return tuple(dist.get_global_rank(pipeline_group, s) if 0 <= s < size else None for s in (stage - 1, stage + 1))
 
 
-def guard_3d(groups, tensor_parallel, journal=None):
+def guard_3d(groups, tensor_parallel, journal=None, mesh=None, hidden_shape=None):
     """guard(call, arguments) for communication_by_group: a send/recv only to a pipeline neighbour, a collective
     only on the data or the tensor group; else CompositionMistake, naming the mistake, before the call runs. Each
     send/recv let through is written to `journal` (a line-buffered file, if given) as "name peer": if the ranks
-    stall, the parent reads which messages were never paired (unpaired_messages)."""
+    stall, the parent reads which messages were never paired (unpaired_messages). With `hidden_shape`, a message
+    of another shape or dtype than a micro-batch's float64 hidden states is refused too (gloo would abort the
+    receiving process)."""
     neighbours = pipeline_neighbours(groups["pipeline"])
     rank = dist.get_rank()
+    data_parallel, pipeline_parallel = (mesh or (None, None, None))[:2]
 
     def guard(call, arguments):
         if call.name in PEER_NAMES:
             peer = peer_of(call.name, arguments)
+            tensor = arguments.get("tensor")
+            if hidden_shape is not None and isinstance(tensor, torch.Tensor) and (
+                    tuple(tensor.shape), tensor.dtype) != (hidden_shape, torch.float64):
+                what = "receives into" if call.name in ("recv", "irecv") else "sends"
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} {what} a {tensor.dtype} tensor of shape {tuple(tensor.shape)}; what "
+                    f"travels between stages is a micro-batch's hidden states (or their gradient), float64 of shape "
+                    f"{hidden_shape} (micro-batch, this rank's chunk of positions, dim): receive into "
+                    f"nd.hidden_like(tokens, model.sizes), a gradient into torch.empty_like(y)")
             if peer in neighbours and call.group in ("pipeline", "world"):
                 if journal is not None:
                     journal.write(f"{call.name} {peer}\n")
@@ -86,8 +98,15 @@ def guard_3d(groups, tensor_parallel, journal=None):
                     f"pipeline stage with the same data and tensor coordinates is rank +/- T = {tensor_parallel} "
                     f"(dist.get_global_rank(pipeline_group, stage +/- 1), or group_dst/group_src on the pipeline "
                     f"group)")
-            raise CompositionMistake(f"rank {rank}'s {call.name} on the {call.group} group talks to rank {peer}, not "
-                                     f"to a pipeline neighbour {[n for n in neighbours if n is not None]}")
+            step = abs(peer - rank) if peer is not None else None
+            strides = {"the data size D": data_parallel, "the pipeline size P": pipeline_parallel,
+                       "P x T, the data dimension's stride": pipeline_parallel * tensor_parallel}
+            used = [name for name, size in strides.items() if size == step and size != tensor_parallel]
+            raise CompositionMistake(
+                f"rank {rank}'s {call.name} on the {call.group} group talks to rank {peer}, not to a pipeline "
+                f"neighbour {[n for n in neighbours if n is not None]}" + (
+                    f": a step of {step} ranks ({' or '.join(used)}); the pipeline dimension's stride is T = "
+                    f"{tensor_parallel}, the tensor group's size (rank +/- T)" if used else ""))
         if call.group not in ("data", "tensor"):
             on = f"the {call.group} group" if call.group != "other" else \
                 f"a group of ranks {dist.get_process_group_ranks(arguments['group'])}"  # not one of the mesh's
@@ -109,6 +128,7 @@ class Run3D:
     bytes: dict = None  # first step: group: bytes written to the sockets
     seconds: list = dataclasses.field(default_factory=list)  # each step's time
     error: str = ""  # what is wrong with the stage's parameters, if anything (the run stops before training)
+    order: list = None  # first step: "F" and "B" in the order the stage's forwards and backwards ran
 
 
 def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed=0,
@@ -120,7 +140,10 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     file per rank, if given); the first step is recorded (Run3D)."""
     data_parallel, pipeline_parallel, tensor_parallel = mesh
     groups, coordinate = mesh_groups(mesh, MESH_3D)
-    model, shards = parallelize(build_transformer(sizes, seed), groups)
+    try:
+        model, shards = parallelize(build_transformer(sizes, seed), groups)
+    except Exception as e:  # a library's error inside the student's code: said where it came from
+        raise raised_in("parallelize_3d", e) from e
     run = Run3D(coordinate, sorted(shards.shards))
     want = sorted(stage_names(sizes, coordinate[1], pipeline_parallel))
     run.error = "" if run.names == want else _stage_hint(run.names, want, coordinate[1], pipeline_parallel)
@@ -128,15 +151,35 @@ def train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_mi
     dist.all_reduce(wrong, op=dist.ReduceOp.MAX)  # every rank stops if one stage is wrong (not logged: the check's)
     if wrong.item():
         return run
+    hidden = (sizes.batch_size // data_parallel // num_micro_batches, sizes.seq_len // tensor_parallel, sizes.dim)
+    order = []
+    model.register_forward_hook(lambda module, args, output: _record_forward(order, output))
+
     def step(i):
         inputs, targets = my_tokens(*make_tokens(sizes, seed, i), coordinate[::2], data_parallel, tensor_parallel)
         micro_batches = list(zip(inputs.chunk(num_micro_batches), targets.chunk(num_micro_batches)))
-        return train_step(model, shards.shards, micro_batches, groups)
+        order.clear()
+        try:
+            loss = train_step(model, shards.shards, micro_batches, groups)
+        except AssertionError:  # a call refused by the guard: its own words
+            raise
+        except Exception as e:  # a library's error inside the student's code: said where it came from
+            raise raised_in("train_step", e) from e
+        run.order = list(order) if i == 0 else run.order
+        return loss
 
     with contextlib.ExitStack() as stack:
         journal = stack.enter_context(open(os.path.join(journal_dir, f"{rank}"), "w", buffering=1)) \
             if journal_dir else None
-        return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel, journal), step, num_steps, lr)
+        return train_and_record(run, shards, groups, guard_3d(groups, tensor_parallel, journal, mesh, hidden), step,
+                                 num_steps, lr)
+
+
+def _record_forward(order, output):
+    """A forward hook's work: "F" now, and "B" when autograd reaches the output's gradient (the backward)."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+        order.append("F")
+        output.register_hook(lambda grad: order.append("B"))
 
 
 def unpaired_messages(journal_dir, world_size):
