@@ -11,7 +11,7 @@ import time
 import pytest
 from test_checks_setup import MISTAKES
 
-from utils import grade
+from utils.grading import command as grade
 from utils.notebooks import BEGIN, END, ROOT
 
 TIMEOUT = 20  # seconds per submission: the loops and hangs below end here

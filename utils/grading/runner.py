@@ -1,0 +1,156 @@
+"""The checking process: runs a graded notebook's cells as the grader sends them, and reports how each ended.
+
+    python -P -m utils.grading.runner          (started by utils.grading.sandbox, in the sandbox)
+
+Cells arrive one JSON line at a time on stdin: {"index": i, "source": ..., "guard": [names]}; after each, one JSON
+line goes back on the report pipe (the file descriptor in $GRADING_REPORT_FD): {"index": i, "error": null or
+[exception name, message]}. No line of a student's runs in this process: an answer cell only defines functions
+and classes (utils.grading.submission.answer_outside_functions refuses the rest before it is sent), and the
+functions and methods holding the student's lines are then guarded (`guard`): called here, they raise instead of
+running. The student's code runs in the ranks the checks start (forks of this process), which report back through
+files that are read here with a pickle that builds data only (safe_load): tensors, containers, the course's
+classes; never a function.
+
+What a rank could use to reach this process is closed before a rank starts: the cell pipe and the report pipe are
+closed in every fork (os.register_at_fork) and not inherited by programs it starts; this process is not dumpable
+(no ptrace, no /proc/<pid>/mem for the ranks); the reference answers arrive only after the student's exercise is
+checked, so a rank cannot find them in the memory it inherits.
+"""
+import builtins
+import collections
+import copyreg
+import ctypes
+import functools
+import io
+import json
+import os
+import pickle
+import sys
+import types
+
+PR_SET_DUMPABLE = 4
+
+
+class StudentCodeInChecker(RuntimeError):
+    pass
+
+
+def guard(function, name):
+    """`function`, refusing to run in this process (its forks, the ranks, run it)."""
+    checker = os.getpid()
+
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        if os.getpid() == checker:
+            raise StudentCodeInChecker(f"the grader runs {name} only in the ranks a check starts")
+        return function(*args, **kwargs)
+    return guarded
+
+
+def guard_names(namespace, names):
+    """Guard the functions `names` (top-level ones, or "Class.method") of the namespace."""
+    for name in names:
+        owner_name, _, attribute = name.rpartition(".")
+        owner = namespace[owner_name] if owner_name else None
+        if owner is None:
+            namespace[name] = guard(namespace[name], name)
+            continue
+        value = owner.__dict__[attribute]
+        if isinstance(value, (staticmethod, classmethod)):
+            setattr(owner, attribute, type(value)(guard(value.__func__, name)))
+        elif isinstance(value, property):
+            setattr(owner, attribute, property(*(f and guard(f, name) for f in (value.fget, value.fset, value.fdel))))
+        else:
+            setattr(owner, attribute, guard(value, name))
+
+
+SAFE_BUILTINS = {"list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "str", "bytes", "bytearray",
+                 "bool", "slice", "range", "object", "NoneType", "Ellipsis", "NotImplemented"}
+
+
+def _storage_from_bytes(data):
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class DataUnpickler(pickle.Unpickler):
+    """A pickle that builds data only: containers, tensors, dtypes, and classes from the course and torch."""
+
+    def find_class(self, module, name):
+        if module == "builtins" and name in SAFE_BUILTINS:
+            return getattr(builtins, name)
+        if (module, name) in {("copyreg", "_reconstructor"), ("copyreg", "__newobj__")}:
+            return getattr(copyreg, name)
+        if module == "collections" and name in {"OrderedDict", "defaultdict", "deque", "Counter"}:
+            return getattr(collections, name)
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes  # torch's own loads any pickle
+        if module == "torch._utils" and name.startswith("_rebuild_") and name != "_rebuild_from_type_v2":
+            return getattr(sys.modules["torch._utils"], name)
+        if module.split(".")[0] in {"torch", "utils", "numpy"}:
+            __import__(module)
+            value = getattr(sys.modules[module], name)
+            import torch
+            if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+                return value
+            if isinstance(value, type) and (module.split(".")[0] != "utils" or module.startswith("utils.")):
+                return value
+        raise pickle.UnpicklingError(f"a rank returned {module}.{name}, which the grader does not load")
+
+
+def safe_load(file):
+    return DataUnpickler(file).load()
+
+
+class SafePickle(types.ModuleType):
+    """utils.launch's pickle, in the checking process: what a rank reports (load) is read as data only."""
+
+    def __init__(self):
+        super().__init__("pickle")
+        self.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+        self.load = safe_load
+
+
+def close_in_forks(*fds):
+    def close():
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.register_at_fork(after_in_child=close)
+
+
+def main():
+    cells_fd = os.dup(0)  # the cell pipe and the report pipe: held by this process only
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    report_fd = int(os.environ.pop("GRADING_REPORT_FD"))
+    for fd in (cells_fd, report_fd):
+        os.set_inheritable(fd, False)
+    close_in_forks(cells_fd, report_fd)
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the sandbox is not either
+        pass
+    import utils.launch
+    utils.launch.pickle = SafePickle()
+    cells, reports = os.fdopen(cells_fd, "r"), os.fdopen(report_fd, "w", buffering=1)
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module
+    namespace = main_module.__dict__
+    namespace["__builtins__"] = builtins
+    for line in cells:
+        cell = json.loads(line)
+        error = None
+        try:
+            exec(compile(cell["source"], f"<cell {cell['index']}>", "exec"), namespace)
+            guard_names(namespace, cell.get("guard", []))
+        except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
+            error = [type(e).__name__, str(e)]
+        sys.stdout.flush()
+        reports.write(json.dumps({"index": cell["index"], "error": error}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
