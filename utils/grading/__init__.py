@@ -13,7 +13,9 @@ cells, as the instructor has them, with three rules:
 - An answer only defines. The student's lines are taken from their regions and put back into the solution's
   cell; the grader parses that cell (without running it) and refuses it unless it differs from the solution's
   only inside the functions that hold the regions (submission.answer_outside_functions): defining them runs none
-  of the student's lines. Those functions are then guarded: called in the checking process, they raise.
+  of the student's lines. Those functions are then guarded: called in the checking process (a check may call a
+  constructor there, to see it refuse bad input), they run in a fork of it, and only what they return or raise
+  comes back, as data.
 - The student's code runs in the ranks. Every check starts ranks (forks of the checking process) that call the
   student's functions and report what they computed; the check compares in the checking process. What a rank
   reports is read as data only (runner.safe_load: tensors, containers, the course's classes; never a function or

@@ -6,10 +6,10 @@ Cells arrive one JSON line at a time on stdin: {"index": i, "source": ..., "guar
 line goes back on the report pipe (the file descriptor in $GRADING_REPORT_FD): {"index": i, "error": null or
 [exception name, message]}. No line of a student's runs in this process: an answer cell only defines functions
 and classes (utils.grading.submission.answer_outside_functions refuses the rest before it is sent), and the
-functions and methods holding the student's lines are then guarded (`guard`): called here, they raise instead of
-running. The student's code runs in the ranks the checks start (forks of this process), which report back through
-files that are read here with a pickle that builds data only (safe_load): tensors, containers, the course's
-classes; never a function.
+functions and methods holding the student's lines are then guarded (`guard`): called here, they run in a fork,
+and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
+this process), which report back through files that are read here with a pickle that builds data only
+(safe_load): tensors, containers, the course's classes; never a function.
 
 What a rank could use to reach this process is closed before a rank starts: the cell pipe and the report pipe are
 closed in every fork (os.register_at_fork) and not inherited by programs it starts; this process is not dumpable
@@ -31,20 +31,51 @@ import types
 PR_SET_DUMPABLE = 4
 
 
-class StudentCodeInChecker(RuntimeError):
-    pass
-
-
 def guard(function, name):
-    """`function`, refusing to run in this process (its forks, the ranks, run it)."""
+    """`function`, which in this process runs only in a fork of it (in the ranks, as it is): what it returns or
+    raises comes back as data, its other effects stay in the fork (a check may call a constructor here, to see
+    that it refuses bad input)."""
     checker = os.getpid()
 
     @functools.wraps(function)
     def guarded(*args, **kwargs):
-        if os.getpid() == checker:
-            raise StudentCodeInChecker(f"the grader runs {name} only in the ranks a check starts")
-        return function(*args, **kwargs)
+        if os.getpid() != checker:
+            return function(*args, **kwargs)
+        return call_in_fork(function, args, kwargs, name)
     return guarded
+
+
+def call_in_fork(function, args, kwargs, name):
+    import cloudpickle
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the fork: run, report, leave without Python's teardown
+        os.close(read_end)
+        try:
+            try:
+                report = ("ok", function(*args, **kwargs))
+            except Exception as e:
+                report = ("raised", type(e).__name__, str(e))
+            data = cloudpickle.dumps(report)
+        except BaseException as e:  # noqa: B036 -- whatever happens, the fork ends here
+            data = pickle.dumps(("raised", "RuntimeError", f"{name} returned what cannot be sent back: {e!r}"))
+        with os.fdopen(write_end, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    try:
+        report = safe_load(io.BytesIO(data))
+    except Exception as e:
+        raise RuntimeError(f"{name} (run apart from the checks) ended without a report it could send: {e}") from None
+    if report[0] == "ok":
+        return report[1]
+    kind = getattr(builtins, report[1], None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+    raise kind(report[2])
 
 
 def guard_names(namespace, names):
@@ -68,6 +99,14 @@ SAFE_BUILTINS = {"list", "dict", "set", "frozenset", "tuple", "int", "float", "c
                  "bool", "slice", "range", "object", "NoneType", "Ellipsis", "NotImplemented"}
 
 
+def _get_layout(name):
+    import torch
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout):
+        raise pickle.UnpicklingError(f"not a layout: {name!r}")
+    return value
+
+
 def _storage_from_bytes(data):
     import torch
     return torch.load(io.BytesIO(data), weights_only=True)
@@ -83,10 +122,13 @@ class DataUnpickler(pickle.Unpickler):
             return getattr(copyreg, name)
         if module == "collections" and name in {"OrderedDict", "defaultdict", "deque", "Counter"}:
             return getattr(collections, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name
+            return _get_layout
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return _storage_from_bytes  # torch's own loads any pickle
-        if module == "torch._utils" and name.startswith("_rebuild_") and name != "_rebuild_from_type_v2":
-            return getattr(sys.modules["torch._utils"], name)
+        if module.split(".")[0] == "torch" and name.startswith("_rebuild"):  # what they call is found here too
+            __import__(module)
+            return getattr(sys.modules[module], name)
         if module.split(".")[0] in {"torch", "utils", "numpy"}:
             __import__(module)
             value = getattr(sys.modules[module], name)
