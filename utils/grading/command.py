@@ -195,7 +195,7 @@ def grade(student, path, params=(), seconds=600.0, memory_bytes=None):
                     verdict, message = verdicts[exercise.name]
                     message = f"with {p}: {message}" if p else message
                     break
-        if exercise.name in tampered and verdict in ("passed", "failed"):
+        if exercise.name in tampered and verdict != "not attempted":
             verdict, message = "error", f"tampering: {tampered[exercise.name]}"
         rows.append(dict(student=student, notebook=assignment.name, exercise=exercise.name, verdict=verdict,
                          points=exercise.points if verdict == "passed" else 0, max_points=exercise.points,

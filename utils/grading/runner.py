@@ -9,7 +9,8 @@ and classes (utils.grading.submission.answer_outside_functions refuses the rest 
 functions and methods holding the student's lines are then guarded (`guard`): called here, they run in a fork,
 and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
 this process), which report back through files that are read here with a pickle that builds data only
-(safe_load): tensors, containers, the course's classes; never a function.
+(safe_load, which pickle.load and pickle.loads are in this process): tensors, containers, the course's
+classes; never a function.
 
 What a rank could use to reach this process is closed before a rank starts: the cell pipe and the report pipe are
 closed in every fork (os.register_at_fork) and not inherited by programs it starts; this process is not dumpable
@@ -144,13 +145,13 @@ def safe_load(file):
     return DataUnpickler(file).load()
 
 
-class SafePickle(types.ModuleType):
-    """utils.launch's pickle, in the checking process: what a rank reports (load) is read as data only."""
-
-    def __init__(self):
-        super().__init__("pickle")
-        self.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
-        self.load = safe_load
+def read_pickles_as_data():
+    """pickle.load and pickle.loads, in this process only, build data only: whatever this process reads with them
+    (the ranks' reports, utils.launch) was written by processes that ran the student's code. The ranks, forks of
+    this process, keep pickle's own (they load the functions a check sends them)."""
+    checker, load, loads = os.getpid(), pickle.load, pickle.loads
+    pickle.load = lambda file, **kw: safe_load(file) if os.getpid() == checker else load(file, **kw)
+    pickle.loads = lambda data, **kw: safe_load(io.BytesIO(data)) if os.getpid() == checker else loads(data, **kw)
 
 
 def close_in_forks(*fds):
@@ -175,8 +176,7 @@ def main():
         ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the sandbox is not either
         pass
-    import utils.launch
-    utils.launch.pickle = SafePickle()
+    read_pickles_as_data()
     cells, reports = os.fdopen(cells_fd, "r"), os.fdopen(report_fd, "w", buffering=1)
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module

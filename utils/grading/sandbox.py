@@ -138,6 +138,7 @@ class Slot:
         self.deadline, self.memory_bytes, self.reason = time.monotonic() + seconds, memory_bytes, None
         read_end, write_end = os.pipe()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GRADING_REPORT_FD": str(write_end),
+               "GRADING_SLOT": str(workdir),  # by which a test finds the slot's processes
                "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         python = [sys.executable, "-P", "-m", "utils.grading.runner"]
         if bwrap():
