@@ -1,22 +1,25 @@
-"""Grade a class: each submission run bounded and isolated, a verdict per exercise, to a CSV (and Gradescope).
+"""Grade a class: each submission run sandboxed and bounded, a verdict per exercise, to a CSV (and Gradescope).
 
     python -m utils.grade submitted/ --out grades.csv
     python -m utils.grade submitted/*/05_fsdp.ipynb --out grades.csv --params "WORLD_SIZE = 3" --gradescope gs/
+    python -m utils.grade --gradescope-bundle 05 autograder.zip --params "WORLD_SIZE = 2"
 
 A submission is a student's copy of a course notebook with the exercises filled in; its student is the folder it
 sits in (submitted/alice/05_fsdp.ipynb), or "folder/file name" when a folder holds several submissions of one
 notebook (a flat download: submitted/alice.ipynb, submitted/bob.ipynb); which notebook it is comes from its cells
-(utils.submission). Folders
-are searched for .ipynb files. Only the answers come from the submission: they are put in the solution notebook's
-regions and that notebook runs, its check cells and the library as the instructor has them (utils.sandbox: a
-kernel of its own in a temporary folder, a time and a memory limit, no process left behind).
+(utils.grading.submission). Folders are searched for .ipynb files. Only the answers come from the submission:
+they are put in the solution notebook's regions, and that notebook runs, its check cells and the library as the
+instructor has them, in a checking process of its own (utils.grading.sandbox: bubblewrap, a time and a memory
+limit, no process left behind) that runs no line of the student's: the package's docstring says why.
 
 A verdict per exercise, from its check cells: passed; failed (the check's AssertionError: the message is its
-hint's first line); not attempted (the NotImplementedError left in); error (any other exception, a kernel that
-died or ran out of memory, tampering, input that is not a course notebook); timed out. An answer that rebinds the
-notebook's names, sets attributes of the modules it imported, or a check cell edited or deleted in the
-submission, cannot pass: the message says what it did. --params runs the notebook again with assignments added
-to its parameters cell: an exercise passes only if it passes at every value.
+hint's first line); not attempted (the NotImplementedError left in); error (any other exception, a checking
+process that died or ran out of memory, tampering, input that is not a course notebook); timed out. After an
+exercise's checks the solution's own answer takes its place, so a later exercise is graded with the reference of
+an earlier one (its row says so when the student's own did not pass). An answer with code outside the functions
+it completes, one that rebinds the notebook's names or sets attributes of the modules it imported, or a check
+cell edited or deleted in the submission, cannot pass: the message says what it did. --params runs the notebook
+again with assignments added to its parameters cell: an exercise passes only if it passes at every value.
 """
 import argparse
 import collections
@@ -31,6 +34,7 @@ import time
 import warnings
 from pathlib import Path
 
+from utils.grading import gradescope as gradescope_format
 from utils.grading import submission
 from utils.grading.sandbox import Slot, Stopped
 
@@ -234,12 +238,9 @@ def gradescope(rows, folder):
     for row in rows:
         by_student[row["student"]].append(row)
     for student, mine in by_student.items():
-        tests = [dict(name=f"{r['notebook']}: {r['exercise']}" if r["exercise"] else r["notebook"],
-                      score=r["points"], max_score=r["max_points"],
-                      output=r["verdict"] + (f": {r['message']}" if r["message"] else "")) for r in mine]
         out = Path(folder) / student / "results.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(score=sum(t["score"] for t in tests), tests=tests), indent=2) + "\n")
+        gradescope_format.write_results(mine, out)
 
 
 def summary(rows, hints=3):
@@ -267,9 +268,27 @@ def shard(items, spec):
     return items[k - 1::n]
 
 
+def bundle(parser, args):
+    """--gradescope-bundle NN ZIP: the autograder of notebook NN, its hidden arguments baked in."""
+    name, out = args.gradescope_bundle
+    matches = [a for a in submission.assignments() if a == name or a.split("_")[0] == name]
+    if len(matches) != 1:
+        parser.error(f"--gradescope-bundle: no single notebook {name!r} (one of {', '.join(submission.assignments())})")
+    seconds = args.timeout
+    if seconds is None:  # the autograder's time limit, from the solution's run here
+        print(f"timing the solution of {matches[0]}...", file=sys.stderr)
+        seconds = max(TIMEOUT_FLOOR, TIMEOUT_FACTOR * solution_seconds(submission.assignments()[matches[0]]))
+    arguments = ["--timeout", f"{seconds:g}", "--memory", f"{args.memory:g}"]
+    for p in args.params:
+        arguments += ["--params", p]
+    gradescope_format.bundle(matches[0], out, arguments)
+    print(f"wrote {out}: Gradescope's autograder for {matches[0]} ({' '.join(arguments)})")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("submissions", nargs="+", metavar="SUBMISSION", help="notebooks, or folders to search")
+    parser.add_argument("submissions", nargs="*", metavar="SUBMISSION", help="notebooks, or folders to search")
     parser.add_argument("--out", default="grades.csv", help="the CSV to write (default: grades.csv)")
     parser.add_argument("--timeout", type=float, help="seconds per submission and run (default: "
                         f"{TIMEOUT_FACTOR}x the solution's own run time, at least {TIMEOUT_FLOOR})")
@@ -279,8 +298,14 @@ def main(argv=None):
     parser.add_argument("--params", action="append", default=[], metavar="ASSIGNMENTS",
                         help='e.g. "WORLD_SIZE = 3": run again with these parameters (repeatable)')
     parser.add_argument("--gradescope", metavar="DIR", help="also write DIR/<student>/results.json")
+    parser.add_argument("--gradescope-results", metavar="FILE", help="also write every row into one results.json "
+                        "(the autograder's, grading one submission)")
+    parser.add_argument("--gradescope-bundle", nargs=2, metavar=("NN", "ZIP"), help="write Gradescope's autograder "
+                        "zip for notebook NN, with these --params, --timeout and --memory, and grade nothing")
     parser.add_argument("--shard", default="1/1", metavar="K/N", help="grade every N-th submission from the K-th")
     args = parser.parse_args(argv)
+    if not args.submissions and not args.gradescope_bundle:
+        parser.error("the following arguments are required: SUBMISSION")
     if args.jobs < 1 or (args.timeout is not None and args.timeout <= 0) or args.memory <= 0:
         parser.error("--jobs, --timeout and --memory must be positive")
     for p in args.params:
@@ -288,6 +313,8 @@ def main(argv=None):
             compile(p, "--params", "exec")
         except SyntaxError as e:
             parser.error(f"--params {p!r} is not Python: {e.msg}")
+    if args.gradescope_bundle:
+        return bundle(parser, args)
     try:
         todo = shard(told_apart(collect(args.submissions)), args.shard)
     except ValueError as e:
@@ -324,6 +351,8 @@ def main(argv=None):
         writer.writerows(rows)
     if args.gradescope:
         gradescope(rows, args.gradescope)
+    if args.gradescope_results:
+        gradescope_format.write_results(rows, args.gradescope_results)
     print(summary(rows))
     return 0
 

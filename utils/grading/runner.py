@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import sys
+import traceback
 import types
 
 PR_SET_DUMPABLE = 4
@@ -117,8 +118,11 @@ class DataUnpickler(pickle.Unpickler):
     """A pickle that builds data only: containers, tensors, dtypes, and classes from the course and torch."""
 
     def find_class(self, module, name):
-        if module == "builtins" and name in SAFE_BUILTINS:
+        if module == "builtins" and (name in SAFE_BUILTINS or isinstance(getattr(builtins, name, None), type) and
+                                     issubclass(getattr(builtins, name), BaseException)):
             return getattr(builtins, name)
+        if module == "traceback" and name in {"TracebackException", "StackSummary", "FrameSummary"}:
+            return getattr(traceback, name)  # how a rank's failure is reported
         if (module, name) in {("copyreg", "_reconstructor"), ("copyreg", "__newobj__")}:
             return getattr(copyreg, name)
         if module == "collections" and name in {"OrderedDict", "defaultdict", "deque", "Counter"}:
