@@ -60,11 +60,12 @@ CUSTOM_EXC = "get_ipython().set_custom_exc((AssertionError,), lambda *args, **kw
 FORGE_REPORTS = indent('''
 import stat
 for fd in os.listdir("/proc/self/fd"):
-    for index in range(40 if stat.S_ISFIFO(os.fstat(int(fd)).st_mode) else 0):
-        try:
-            os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
-        except OSError:
-            pass
+    try:
+        if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            for index in range(40):
+                os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
+    except OSError:
+        pass
 ''')
 EVIL_RETURN = indent('''
 class Evil:
@@ -151,12 +152,13 @@ def test_what_a_rank_reports_is_read_as_data_only():
 def test_the_sandbox_shows_the_course_read_only_without_solutions(tmp_path):
     """One slot, no notebook: what the checking process sees (about 2 s: it imports torch)."""
     (tmp_path / "slot").mkdir()
-    slot = sandbox.Slot(tmp_path / "slot", seconds=60)
+    slot = sandbox.Slot(tmp_path / "slot", seconds=60, graded="00_setup")
     try:
         probe = '''
 import os, pathlib, socket, utils
 course = pathlib.Path(utils.__file__).parent.parent
-assert not (course / "solutions").exists() and not (course / "notebooks").exists(), "solutions visible"
+assert not (course / "solutions" / "00_setup.ipynb").exists(), "the graded notebook's solution is visible"
+assert (course / "solutions" / "05_fsdp.ipynb").exists() and not (course / "notebooks").exists()
 assert not os.path.exists(%r), "the grader's folders are visible"
 for path in (course / "utils" / "probe.py", "/etc/probe"):
     try:

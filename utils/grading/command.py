@@ -36,6 +36,7 @@ from pathlib import Path
 
 from utils.grading import gradescope as gradescope_format
 from utils.grading import submission
+from utils.grading import sandbox
 from utils.grading.sandbox import Slot, Stopped
 
 COLUMNS = ["student", "notebook", "exercise", "verdict", "points", "max_points", "message"]
@@ -122,7 +123,7 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
            "out of memory": f"over the memory limit of {(memory_bytes or 0) / 2**30:g} GB",
            "died": "the checking process died"}
     with tempfile.TemporaryDirectory(prefix="grade-") as workdir:
-        slot = Slot(workdir, seconds, memory_bytes)
+        slot = Slot(workdir, seconds, memory_bytes, assignment.name)
         running = None
         try:
             for i, cell in enumerate(assignment.solution.cells):
@@ -135,7 +136,9 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
                     own[exercise.name] = submission.own_answer(answers[exercise.name], exercise, source)
                 if exercise and isinstance(own[exercise.name], tuple):
                     graded, functions = own[exercise.name]
-                    error = slot.run(i, graded if i in at else source, functions if i in at else ())
+                    error = slot.run(i, graded if i in at else source, functions if i in at else (),
+                                     fork=i not in at and exercise.name in submission.CHECKED_IN_A_FORK.get(
+                                         assignment.name, ()))
                     if error and exercise.name not in verdicts:
                         verdicts[exercise.name] = verdict_of(error, exercise)
                 else:
@@ -208,14 +211,15 @@ def grade(student, path, params=(), seconds=600.0, memory_bytes=None):
 
 
 def with_references_named(rows, assignment):
-    """Each row of an exercise whose checks call an earlier exercise the student did not pass says that the
-    reference was called instead (the earlier row has the student's own verdict)."""
+    """Each row of an exercise whose cells use what an earlier exercise the student did not pass defines says that
+    the reference was used instead (the earlier row has the student's own verdict)."""
     verdict = {row["exercise"]: row["verdict"] for row in rows}
     for k, exercise in enumerate(assignment.exercises):
-        checks = "\n".join(assignment.solution.cells[j].source for j in exercise.checks)
-        used = [e for e in assignment.exercises[:k] if verdict[e.name] != "passed" and
-                any(re.search(rf"\b{re.escape(name)}\b", checks) for name in e.name.split(", "))]
-        if used and rows[k]["verdict"] not in ("not attempted",):
+        text = "\n".join(assignment.solution.cells[j].source for j in [exercise.cell, *exercise.checks])
+        used = [e for e in assignment.exercises[:k] if verdict[e.name] != "passed" and any(
+            re.search(rf"\b{re.escape(name)}\b", text)
+            for name in submission.defined_names(assignment.solution.cells[e.cell].source))]
+        if used and rows[k]["verdict"] != "not attempted":
             note = "; ".join(f"checked with the reference {e.name} (yours: {verdict[e.name]})" for e in used)
             rows[k]["message"] = f"{rows[k]['message']} ({note})" if rows[k]["message"] else note
     return rows
@@ -320,6 +324,8 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
 
+    if not sandbox.bwrap():
+        print(f"warning: {sandbox.WARNING}", file=sys.stderr)
     timeouts = {}
     if args.timeout is None:  # the solution of each notebook graded, once, for its time limit
         for _, path in todo:

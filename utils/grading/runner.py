@@ -48,20 +48,27 @@ def guard(function, name):
 
 
 def call_in_fork(function, args, kwargs, name):
+    """function(*args, **kwargs) run in a fork; what it returned (or raised) and what it did to its arguments'
+    tensors and plain attributes (a constructor's self, a gradient divided in place) come back as data."""
     import cloudpickle
+    tensors, objects = reachable((args, kwargs))
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:  # the fork: run, report, leave without Python's teardown
         os.close(read_end)
         try:
+            before = [dict(vars(o)) for o in objects]
             try:
-                report = ("ok", function(*args, **kwargs))
+                outcome = ("ok", function(*args, **kwargs))
             except Exception as e:
-                report = ("raised", type(e).__name__, str(e))
-            data = cloudpickle.dumps(report)
+                outcome = ("raised", type(e).__name__, str(e))
+            effects = ([(t.detach(), t.grad) for t in tensors],
+                       [{k: v for k, v in vars(o).items() if (k not in was or v is not was[k]) and plain(v)}
+                        for o, was in zip(objects, before)])
+            data = cloudpickle.dumps((outcome, effects))
         except BaseException as e:  # noqa: B036 -- whatever happens, the fork ends here
-            data = pickle.dumps(("raised", "RuntimeError", f"{name} returned what cannot be sent back: {e!r}"))
+            data = pickle.dumps((("raised", "RuntimeError", f"{name}'s result cannot be sent back: {e!r}"), None))
         with os.fdopen(write_end, "wb") as f:
             f.write(data)
         os._exit(0)
@@ -70,14 +77,79 @@ def call_in_fork(function, args, kwargs, name):
         data = f.read()
     os.waitpid(pid, 0)
     try:
-        report = safe_load(io.BytesIO(data))
+        outcome, effects = safe_load(io.BytesIO(data))
     except Exception as e:
         raise RuntimeError(f"{name} (run apart from the checks) ended without a report it could send: {e}") from None
-    if report[0] == "ok":
-        return report[1]
-    kind = getattr(builtins, report[1], None)
+    if effects:
+        replay(tensors, objects, *effects)
+    if outcome[0] == "ok":
+        return outcome[1]
+    kind = getattr(builtins, outcome[1], None)
     kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
-    raise kind(report[2])
+    raise kind(outcome[2])
+
+
+def reachable(roots, depth=4):
+    """The tensors and the plain objects (with a __dict__) reachable from roots: through containers, modules'
+    parameters and buffers, optimizers' parameters and objects' attributes."""
+    torch = sys.modules.get("torch")
+    tensors, objects, seen = [], [], set()
+
+    def visit(x, depth):
+        if id(x) in seen or depth < 0:
+            return
+        seen.add(id(x))
+        if torch and isinstance(x, torch.Tensor):
+            tensors.append(x)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for y in x:
+                visit(y, depth - 1)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y, depth - 1)
+        elif torch and isinstance(x, torch.nn.Module):
+            for y in [*x.parameters(), *x.buffers()]:
+                visit(y, depth - 1)
+        elif torch and isinstance(x, torch.optim.Optimizer):
+            for group in x.param_groups:
+                visit(group["params"], depth - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, types.FunctionType, types.ModuleType,
+                                                           types.MethodType, functools.partial)):
+            objects.append(x)
+            for y in vars(x).values():
+                visit(y, depth - 1)
+    visit(roots, depth)
+    return tensors, objects
+
+
+def plain(value):
+    """Data a fork may send back: numbers, strings, tensors, dtypes, and containers of them."""
+    torch = sys.modules.get("torch")
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    if torch and isinstance(value, (torch.Tensor, torch.dtype)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(plain(k) and plain(v) for k, v in value.items())
+    return False
+
+
+def replay(tensors, objects, tensor_states, object_states):
+    """What the fork did, done here: each tensor's values and gradient, each object's plain attributes it set."""
+    import torch
+    for t, (data, grad) in zip(tensors, tensor_states):
+        with torch.no_grad():
+            if data.shape == t.shape and data.dtype == t.dtype:
+                t.copy_(data)
+            else:
+                t.data = data
+        if t.is_leaf and (grad is not None or t.grad is not None):
+            t.grad = grad
+    for o, state in zip(objects, object_states):
+        for k, v in state.items():
+            setattr(o, k, v)
 
 
 def guard_names(namespace, names):
@@ -158,6 +230,34 @@ def read_pickles_as_data():
     pickle.loads = lambda data, **kw: safe_load(io.BytesIO(data)) if os.getpid() == checker else loads(data, **kw)
 
 
+def run_in_fork(code, namespace):
+    """Run a check cell in a fork of this process, where the student's functions run as they are (a check that
+    needs them here, as an autograd Function in one process): its outcome, [name, message] or None, comes back
+    through a pipe of its own, which its ranks do not hold. The fork ran the student's code: the outcome of this
+    one cell could be forged; nothing else can be (the cell's definitions stay in the fork)."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        close_in_forks(write_end)
+        error = None
+        try:
+            exec(code, namespace)
+        except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
+            error = [type(e).__name__, str(e)]
+        os.write(write_end, json.dumps(error).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(data)
+    except ValueError:
+        return ["RuntimeError", "the check's fork ended without a report"]
+
+
 def close_in_forks(*fds):
     def close():
         for fd in fds:
@@ -189,11 +289,15 @@ def main():
     for line in cells:
         cell = json.loads(line)
         error = None
-        try:
-            exec(compile(cell["source"], f"<cell {cell['index']}>", "exec"), namespace)
-            guard_names(namespace, cell.get("guard", []))
-        except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
-            error = [type(e).__name__, str(e)]
+        code = compile(cell["source"], f"<cell {cell['index']}>", "exec")
+        if cell.get("fork"):
+            error = run_in_fork(code, namespace)
+        else:
+            try:
+                exec(code, namespace)
+                guard_names(namespace, cell.get("guard", []))
+            except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
+                error = [type(e).__name__, str(e)]
         sys.stdout.flush()
         reports.write(json.dumps({"index": cell["index"], "error": error}) + "\n")
 

@@ -5,8 +5,8 @@
     slot.close()                    every process of the slot killed
 
 On Linux with bubblewrap (`bwrap`), the process runs in a sandbox of its own (SANDBOX below): the system, the
-virtual environment and the course's utils/ mounted read-only (not solutions/, not the folders of submissions or
-grades: nothing of the checkout but utils/), the submission's working folder the only writable place besides a
+virtual environment and the course's utils/ mounted read-only (not the graded notebook's solution, not the
+folders of submissions or grades: nothing of the checkout but utils/ and the other notebooks' solutions), the submission's working folder the only writable place besides a
 private /tmp, no capabilities, a network of its own with only loopback (gloo needs it), and a PID namespace: when
 its first process dies, the kernel kills every other one, double forks and new sessions included; and it dies
 with the grader (--die-with-parent). Without bwrap (macOS, a bare container) the process runs in a session of its
@@ -56,8 +56,9 @@ WARNING = ("bubblewrap (bwrap) is not available: submissions run without a sandb
            "leaves its session can outlive its submission (on Debian or Ubuntu: apt-get install bubblewrap)")
 
 
-def sandbox_command(workdir):
-    """bwrap's arguments: what the checking process sees (see the module's docstring)."""
+def sandbox_command(workdir, graded=None):
+    """bwrap's arguments: what the checking process sees (see the module's docstring). Of solutions/, the other
+    notebooks' (a check may use an earlier notebook's solution as its reference), never `graded`'s."""
     args = [bwrap(), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--cap-drop", "ALL", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"):
@@ -69,7 +70,10 @@ def sandbox_command(workdir):
         if not prefix.startswith("/usr"):
             args += ["--ro-bind", prefix, prefix]
     args += ["--ro-bind", str(ROOT / "utils"), f"{COURSE}/utils", "--bind", str(workdir), WORKDIR,
-             "--chdir", WORKDIR]
+             "--chdir", WORKDIR, "--dir", f"{COURSE}/solutions"]
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        if path.stem != graded:
+            args += ["--ro-bind", str(path), f"{COURSE}/solutions/{path.name}"]
     return args
 
 
@@ -134,7 +138,7 @@ class Slot:
 
     WARNING = WARNING
 
-    def __init__(self, workdir, seconds, memory_bytes=None):
+    def __init__(self, workdir, seconds, memory_bytes=None, graded=None):
         self.deadline, self.memory_bytes, self.reason = time.monotonic() + seconds, memory_bytes, None
         read_end, write_end = os.pipe()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GRADING_REPORT_FD": str(write_end),
@@ -143,7 +147,7 @@ class Slot:
         python = [sys.executable, "-P", "-m", "utils.grading.runner"]
         if bwrap():
             env.update(PYTHONPATH=COURSE, HOME="/tmp", TMPDIR="/tmp")
-            command, cwd = sandbox_command(workdir) + python, None
+            command, cwd = sandbox_command(workdir, graded) + python, None
         else:
             env.update(PYTHONPATH=str(ROOT), HOME=str(workdir), TMPDIR=str(workdir))
             command, cwd = python, workdir
@@ -181,10 +185,12 @@ class Slot:
                 kill_all(self.processes)
                 return
 
-    def run(self, index, source, guard=()):
-        """Run one cell; None if it ended without an exception, else [its name, its message]."""
+    def run(self, index, source, guard=(), fork=False):
+        """Run one cell (in a fork of the checking process if `fork`); None if it ended without an exception, else
+        [its name, its message]."""
         try:
-            self.process.stdin.write(json.dumps({"index": index, "source": source, "guard": list(guard)}) + "\n")
+            self.process.stdin.write(json.dumps({"index": index, "source": source, "guard": list(guard),
+                                                 "fork": fork}) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the process is gone: the report says so

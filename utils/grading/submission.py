@@ -19,6 +19,11 @@ import functools
 from utils.notebooks import BEGIN, ROOT, SKIP_IN_SCRIPT, TIMING, read, split_solutions, student_notebook
 
 SKIPPED = {TIMING, SKIP_IN_SCRIPT}  # cells a graded run leaves out
+# Exercises whose checks run the student's code in the checking process itself (an autograd Function run in one
+# process): their check cells run in a fork of it (utils.grading.runner.run_in_fork). Only there could a student's
+# code forge a verdict, and only its own exercise's.
+CHECKED_IN_A_FORK = {"06_mixed_precision": {"Recompute"}, "09_context_parallel": {"blockwise_attention"},
+                     "11_pipeline_schedules": {"backward_input, backward_weight"}}
 MATCH = 0.5  # the share of a course cell's (or notebook's) lines a submission must have to be its copy
 
 
@@ -227,6 +232,17 @@ def own_answer(answer, exercise, solution_source):
     if outside:
         return f"tampering: {outside}"
     return answer[1], functions_with_answers(solution_source)[0]
+
+
+def defined_names(source):
+    """The names a cell binds at its top level (its functions, classes and assignments)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
 
 
 def functions_with_answers(solution_source):
