@@ -14,8 +14,9 @@ cells, as the instructor has them, with three rules:
   cell; the grader parses that cell (without running it) and refuses it unless it differs from the solution's
   only inside the functions that hold the regions (submission.answer_outside_functions): defining them runs none
   of the student's lines. Those functions are then guarded: called in the checking process (a check may call a
-  constructor there, to see it refuse bad input), they run in a fork of it, and only what they return or raise
-  comes back, as data.
+  constructor there, to see it refuse bad input, or divide gradients in place), they run in a fork of it, and
+  only data comes back: what they returned or raised, the new values of the tensors they were given, the plain
+  attributes they set.
 - The student's code runs in the ranks. Every check starts ranks (forks of the checking process) that call the
   student's functions and report what they computed; the check compares in the checking process. What a rank
   reports is read as data only (runner.safe_load: tensors, containers, the course's classes; never a function or
@@ -28,8 +29,12 @@ cells, as the instructor has them, with three rules:
   reference reaches the checking process only then: a rank of an exercise cannot find its reference in the
   memory it inherits, and solutions/ is not in the sandbox at all.
 
-What the ranks themselves measure about the student's function (the collectives it called, their bytes) is
-measured in the process that runs it: a student who computes the right values can lie about how; not about what.
+The limits. What the ranks measure about the student's function (the collectives it called, their bytes) is
+measured in the process that runs it: a student who computes the right values can lie about how, not about what.
+Three exercises' checks need the student's code in the very process that checks it (an autograd Function run in
+one process, calls counted there: submission.CHECKED_IN_A_FORK); their check cells run in a fork of the checking
+process, whose outcome the student's code could forge: that exercise's only, never another's or another
+student's.
 
 Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
 other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only
