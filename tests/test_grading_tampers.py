@@ -182,7 +182,8 @@ socket.create_server(("127.0.0.1", 0)).close()  # loopback is up
 
 
 def checks_digest():
-    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted((ROOT / "utils" / "checks").glob("*.py")))).hexdigest()
+    files = sorted((ROOT / "utils" / "checks").glob("*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
 
 
 @pytest.mark.slow  # a class of 13 runs of notebook 00: about a minute on 2 loaded cores

@@ -103,8 +103,9 @@ def verdict_of(error, exercise):
     hint = (text.strip().splitlines() or [""])[0]
     if name == "AssertionError":
         return "failed", hint
-    if name == "NotImplementedError" and any(hint in stub for stub in exercise.stubs):
-        return "not attempted", hint
+    left = [stub_text for stub in exercise.stubs if (stub_text := stub.split('("')[-1].rstrip('")')) in text]
+    if left:  # a stub left in, raised here or in a rank
+        return "not attempted", left[0]
     return "error", f"{name}: {hint}"
 
 
@@ -143,9 +144,10 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
                         verdicts[exercise.name] = verdict_of(error, exercise)
                 else:
                     error = slot.run(i, source)
-                    if error and exercise is None:
-                        return {e.name: ("error", f"the notebook failed before this exercise: {error[0]}: "
-                                                  f"{(error[1].splitlines() or [''])[0]}") for e in assignment.exercises}
+                    if error and exercise is None:  # before the first exercise: the parameters, say
+                        failed = f"the notebook failed before this exercise: {error[0]}: " + (
+                            error[1].splitlines() or [""])[0]
+                        return {e.name: ("error", failed) for e in assignment.exercises}, {}
                 if i in last:
                     verdicts.setdefault(exercise.name, ("passed", ""))
                     if isinstance(own[exercise.name], tuple):  # the reference, for the later exercises

@@ -1,16 +1,18 @@
 """One submission's checking process, started in a sandbox and bounded: a time limit, a memory limit, nothing left.
 
-    slot = Slot(workdir)            the checking process (utils.grading.runner), started
-    slot.run(source, guard=())      one cell run there: None, or [exception name, message]; raises Stopped
-    slot.close()                    every process of the slot killed
+    slot = Slot(workdir, seconds, memory_bytes, graded)   the checking process (utils.grading.runner), started
+    slot.run(index, source, guard=(), fork=False)         one cell run there: None, or [exception name, message];
+                                                          raises Stopped if the process ends first
+    slot.close()                                          every process of the slot killed
 
-On Linux with bubblewrap (`bwrap`), the process runs in a sandbox of its own (SANDBOX below): the system, the
+On Linux with bubblewrap (`bwrap`), the process runs in a sandbox of its own (sandbox_command): the system, the
 virtual environment and the course's utils/ mounted read-only (not the graded notebook's solution, not the
-folders of submissions or grades: nothing of the checkout but utils/ and the other notebooks' solutions), the submission's working folder the only writable place besides a
-private /tmp, no capabilities, a network of its own with only loopback (gloo needs it), and a PID namespace: when
-its first process dies, the kernel kills every other one, double forks and new sessions included; and it dies
-with the grader (--die-with-parent). Without bwrap (macOS, a bare container) the process runs in a session of its
-own and is killed with it, after a warning that names what is not isolated (Slot.WARNING).
+folders of submissions or grades: nothing of the checkout but utils/ and the other notebooks' solutions); the
+submission's working folder the only writable place besides a private /tmp and /dev/shm (in memory, 1 GB at
+most); no capabilities; a network of its own with only loopback (gloo needs it); and a PID namespace: when its
+first process dies, the kernel kills every other one, double forks and new sessions included, and it dies with
+the grader (--die-with-parent). Without bwrap (macOS, a bare container) the process runs in a session of its own
+and is killed with it, after a warning that names what is not isolated (WARNING).
 
 A watchdog thread polls the slot's processes in /proc: past the deadline, or with their resident memory summed
 over the limit, it kills them all. Why not resource.setrlimit(RLIMIT_AS): torch reserves address space far beyond
@@ -56,11 +58,15 @@ WARNING = ("bubblewrap (bwrap) is not available: submissions run without a sandb
            "leaves its session can outlive its submission (on Debian or Ubuntu: apt-get install bubblewrap)")
 
 
+TMPFS_BYTES = 2**30  # the private /tmp and /dev/shm: in memory, bounded so that they cannot fill the machine's
+
+
 def sandbox_command(workdir, graded=None):
     """bwrap's arguments: what the checking process sees (see the module's docstring). Of solutions/, the other
     notebooks' (a check may use an earlier notebook's solution as its reference), never `graded`'s."""
     args = [bwrap(), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-            "--unshare-uts", "--cap-drop", "ALL", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+            "--unshare-uts", "--cap-drop", "ALL", "--dev", "/dev", "--proc", "/proc",
+            "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm"]
     for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"):
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
