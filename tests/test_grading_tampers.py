@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_grade import handed_in, run_grader, write_class
 
-from utils.grading import runner, sandbox, submission
+from utils.grading import command, runner, sandbox, submission
 from utils.notebooks import ROOT
 
 DIVIDE = "    tensor /= dist.get_world_size()\n"
@@ -176,9 +176,24 @@ except OSError:
 socket.create_server(("127.0.0.1", 0)).close()  # loopback is up
 ''' % str(tmp_path)
         assert slot.run(1, probe) is None
+        marker = f"grading-probe-{os.getpid()}"
+        daemon = f"import subprocess; subprocess.Popen(['sh', '-c', 'sleep 30', {marker!r}], start_new_session=True)"
+        assert slot.run(2, f"import os\nif os.fork() == 0:\n    {daemon}\n    os._exit(0)") is None
+        time.sleep(0.5)
+        assert [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _cmdline(pid)]
     finally:
         slot.close()
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _cmdline(pid)]
     assert (tmp_path / "slot" / "here.txt").read_text() == "mine"
+
+
+def test_without_bubblewrap_the_grader_warns_what_is_not_isolated(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    (tmp_path / "bob").mkdir()
+    (tmp_path / "bob" / "00_setup.ipynb").write_text((ROOT / "notebooks" / "00_setup.ipynb").read_text())
+    assert command.main([str(tmp_path), "--out", str(tmp_path / "grades.csv"), "--timeout", "60"]) == 0
+    warning = capsys.readouterr().err
+    assert "bubblewrap (bwrap) is not available" in warning and "read solutions/" in warning
 
 
 def checks_digest():
