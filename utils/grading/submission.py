@@ -1,9 +1,11 @@
-"""A submission read against the course: which notebook it is, the student's answers, and the notebook to grade.
+"""A submission read against the course: which notebook it is, the student's answers, and what they may run.
 
     assignments()                          the course's notebooks, each with its exercises
     identify(nb)                           the assignment a notebook is a copy of (from its cells), or None
     read_answers(nb, assignment)           each exercise's answers, or why they cannot be read
-    graded_notebook(assignment, answers)   the solution notebook with the student's answers in its regions
+    own_answer(answer, exercise, source)   the solution's cell with the student's answers in its regions, and the
+                                           functions that hold them; or why it is not checked
+    answer_outside_functions(graded, ...)  what a graded cell would run outside those functions (refused)
 
 An exercise is a solution cell with regions (`### BEGIN SOLUTION` ... `### END SOLUTION`); its checks are the
 code cells after it, up to the next exercise (the timing cells left out: they measure, they do not check; the
