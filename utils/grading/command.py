@@ -103,6 +103,8 @@ def verdict_of(error, exercise):
     hint = (text.strip().splitlines() or [""])[0]
     if name == "AssertionError":
         return "failed", hint
+    if name == "TimeoutError":  # the check's own limit on its ranks (a loop, a hang) came before the run's
+        return "timed out", hint
     left = [stub_text for stub in exercise.stubs if (stub_text := stub.split('("')[-1].rstrip('")')) in text]
     if left:  # a stub left in, raised here or in a rank
         return "not attempted", left[0]
