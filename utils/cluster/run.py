@@ -21,11 +21,12 @@ from utils.cluster import network
 from utils.cluster.network import ClusterError
 
 RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
+ROOT = Path(__file__).resolve().parents[2]
 GRACE_SECONDS = 5.0  # after one node fails, how long the others get to fail by themselves before being killed
 
 
-class Interrupted(BaseException):
-    """SIGTERM, turned into an exception so that the cleanup runs (SIGINT is KeyboardInterrupt already)."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, turned into the exception SIGINT raises, so that the same cleanup runs."""
 
 
 def check_run(nodes, nproc_per_node, script, timeout):
@@ -56,13 +57,13 @@ def torchrun_command(node, nodes, nproc_per_node, port, run_id, script, args):
 
 def run(nodes, nproc_per_node, script, args=(), link="1gbit", delay=None, timeout=600.0, echo=True):
     """Run `script` on `nodes` x `nproc_per_node` ranks. Returns (returncode, {rank: (node, lines)}, {node: torchrun's own lines}).
-    On the cluster `up` made (same node count), or on a temporary one made and removed here."""
+    On the cluster `up` made (its first `nodes` nodes), or on a temporary one made and removed here."""
     check_run(nodes, nproc_per_node, script, timeout)
     network.require_privileges()
     state = network.read_state()
-    if state and state["nodes"] != nodes:
-        raise ClusterError(f"a cluster of {state['nodes']} node(s) is up: run with --nodes {state['nodes']}, or "
-                           f"`python -m utils.cluster down` first")
+    if state and state["nodes"] < nodes:
+        raise ClusterError(f"a cluster of {state['nodes']} node(s) is up: run with at most --nodes "
+                           f"{state['nodes']}, or `python -m utils.cluster down` first")
     temporary = state is None
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     procs = []
@@ -76,7 +77,7 @@ def run(nodes, nproc_per_node, script, args=(), link="1gbit", delay=None, timeou
                     procs.append(subprocess.Popen(
                         torchrun_command(node, nodes, nproc_per_node, port, run_id, script, args),
                         stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                        env={**os.environ, "TMPDIR": logs}))  # TMPDIR: torchrun's own log folder
+                        env=environment(logs)))
             returncode = wait(procs, timeout)
             stop(procs)
             ranks, node_logs = gathered(logs, nodes)
@@ -89,6 +90,13 @@ def run(nodes, nproc_per_node, script, args=(), link="1gbit", delay=None, timeou
     if echo:
         show(ranks, node_logs, returncode)
     return returncode, ranks, node_logs
+
+
+def environment(logs):
+    """The caller's, with this repository importable (the script may sit anywhere) and torchrun's log folder
+    in the run's temporary one."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": logs}
 
 
 def _raise_interrupted(signum, frame):
@@ -148,7 +156,7 @@ def show(ranks, node_logs, returncode):
         node, lines = ranks[rank]
         for line in lines:
             print(f"[node {node} rank {rank}] {line}")
-    if returncode != 0:
+    if returncode not in (0, 124):  # a timeout is said when it happens; torchrun's logs then show only the kill
         for node, text in node_logs.items():
             if text.strip():
                 print(f"--- torchrun on node {node}:\n" + "\n".join(text.splitlines()[-15:]), file=sys.stderr)
