@@ -49,6 +49,7 @@ def main(argv=None):
             return run(args.nodes, args.nproc_per_node, args.script, args.args, args.link, args.delay,
                        args.timeout)[0]
         elif args.verb == "bench":
+            network.require_privileges()  # before importing torch (seconds), to refuse at once
             from utils.cluster.bench import bench
             bench(args.link, args.delay)
     except ClusterError as e:
