@@ -242,4 +242,12 @@ def test_every_notebook_prints_on_two_nodes_what_it_prints_on_one(clean, name, t
     code, one_node, logs = run(1, nodes * per_node, script, timeout=900, echo=False)
     assert code == 0, str(logs)
     assert [two_nodes[r][0] for r in sorted(two_nodes)] == [r // per_node for r in range(nodes * per_node)]
-    assert {r: lines for r, (_, lines) in two_nodes.items()} == {r: lines for r, (_, lines) in one_node.items()}
+    assert sorted(two_nodes) == sorted(one_node)
+    for rank in sorted(one_node):
+        assert two_nodes[rank][1] == one_node[rank][1], first_difference(rank, two_nodes[rank][1], one_node[rank][1])
+
+
+def first_difference(rank, two_nodes, one_node):
+    i = next((i for i, (a, b) in enumerate(zip(two_nodes, one_node)) if a != b), min(len(two_nodes), len(one_node)))
+    return (f"rank {rank}, line {i}: on two nodes {two_nodes[i:i + 3]}\n"
+            f"                 on one node  {one_node[i:i + 3]}")
