@@ -2,9 +2,8 @@
 
 Node i runs `torchrun --nnodes N --node_rank i --nproc_per_node K` with the c10d rendezvous at node 0's address
 (node 0's torchrun hosts it: `is_host`, since every namespace shares the machine's host name), `--local-addr` its
-own address (what the others dial), and GLOO_SOCKET_IFNAME its interface. torchrun prefixes each worker's lines
-with its global rank (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE); they are printed afterwards in rank order, as
-`[node i rank r] ...`. A run that fails, times out or is interrupted kills every process it started, and a cluster
+own address (what the others dial), and GLOO_SOCKET_IFNAME its interface. Each rank writes its output to its own
+files (utils.cluster.worker); they are printed afterwards in rank order, as `[node i rank r] ...`. A run that fails, times out or is interrupted kills every process it started, and a cluster
 it made for itself is removed.
 """
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 from utils.cluster import network
 from utils.cluster.network import ClusterError
 
-RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
+RANK_FILE = re.compile(r"^node(\d+)\.rank(\d+)\.out$")  # written by utils.cluster.worker
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_SECONDS = 5.0  # after one node fails, how long the others get to fail by themselves before being killed
 
@@ -45,14 +44,13 @@ def free_port(node=0):
 
 
 def torchrun_command(node, nodes, nproc_per_node, port, run_id, script, args):
-    return network.in_node(node, "env", f"GLOO_SOCKET_IFNAME={network.node_interface(node)}",
-                           "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=[rank${rank}]:",
+    return network.in_node(node, "env", f"GLOO_SOCKET_IFNAME={network.node_interface(node)}", f"DTFS_NODE={node}",
                            sys.executable, "-m", "torch.distributed.run",
                            f"--nnodes={nodes}", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}",
                            "--rdzv_backend=c10d", f"--rdzv_endpoint={network.address(0)}:{port}",
                            f"--rdzv_id={run_id}", f"--rdzv_conf=is_host={int(node == 0)}",
-                           f"--local_addr={network.address(node)}", "--max_restarts=0", "--tee=3",
-                           str(script), *args)
+                           f"--local_addr={network.address(node)}", "--max_restarts=0",
+                           "-m", "utils.cluster.worker", str(script), *args)
 
 
 def run(nodes, nproc_per_node, script, args=(), link="1gbit", delay=None, timeout=600.0, echo=True):
@@ -96,7 +94,7 @@ def environment(logs):
     """The caller's, with this repository importable (the script may sit anywhere) and torchrun's log folder
     in the run's temporary one."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TMPDIR": logs}
+    return {**os.environ, "PYTHONPATH": path, "TMPDIR": logs, "DTFS_RUN_LOGS": logs}
 
 
 def _raise_interrupted(signum, frame):
@@ -135,19 +133,14 @@ def stop(procs):
 
 
 def gathered(logs, nodes):
-    """({rank: (its node, its lines)}, {node: torchrun's own lines}): the workers' prefixed lines, stdout before
-    stderr."""
-    ranks, node_logs = {}, {}
-    for node in range(nodes):
-        own = []
-        for stream in ("out", "err"):
-            for line in (Path(logs) / f"{node}.{stream}").read_text(errors="replace").splitlines():
-                match = RANK_LINE.match(line)
-                if match:
-                    ranks.setdefault(int(match[1]), (node, []))[1].append(match[2])
-                else:
-                    own.append(line)
-        node_logs[node] = "\n".join(own)
+    """({rank: (its node, its lines)}, {node: torchrun's own lines}): each rank's stdout, then its stderr."""
+    ranks = {}
+    for path in sorted(Path(logs).glob("node*.rank*.out")):
+        node, rank = map(int, RANK_FILE.match(path.name).groups())
+        lines = path.read_text(errors="replace").splitlines()
+        ranks[rank] = (node, lines + path.with_suffix(".err").read_text(errors="replace").splitlines())
+    node_logs = {node: (Path(logs) / f"{node}.out").read_text(errors="replace")
+                 + (Path(logs) / f"{node}.err").read_text(errors="replace") for node in range(nodes)}
     return ranks, node_logs
 
 
