@@ -5,7 +5,6 @@ What reaches the payload is less than the configured rate: tbf counts whole Ethe
 segment carries 1448 bytes of payload in 1514 (Ethernet 14, IP 20, TCP 20 with its 12 bytes of timestamps), so
 at most 95.6% of the rate."""
 import json
-import math
 from pathlib import Path
 
 from utils.bench import format_bytes
@@ -74,9 +73,8 @@ def report(state, rate, inside, across):
     verdict = "within" if abs(share - 1) <= TOLERANCE else "NOT within"
     print(f"across the link: {share:.1%} of the configured rate, {verdict} {TOLERANCE:.0%} "
           f"(the payload's share of a full frame is {PAYLOAD_SHARE:.1%})")
-    if state.get("latency_added"):
+    if state.get("latency_added"):  # not checked here: this machine's kernel has no netem
         configured = network.seconds_of(state["delay"])
         extra = across["alpha"] - inside["alpha"]
         print(f"added latency: configured {configured * 1e6:.0f} us, fitted {extra * 1e6:.0f} us more than inside a "
-              f"node ({extra / configured:.0%})" if configured else "")
-    assert math.isfinite(share)
+              f"node ({extra / configured:.0%})")
