@@ -1,0 +1,265 @@
+"""utils.cluster: two nodes on one machine. The default run checks the arguments and the refusal without privileges
+(nothing runs: no command, no namespace); the slow tests, as root with iproute2, make real namespaces: nothing is
+left after up/down, a failed run or an interrupted one; the shaped link carries its rate; every notebook's script
+prints on 2 nodes what it prints on one."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from utils import notebooks
+from utils.cluster import __main__ as cli
+from utils.cluster import network
+from utils.cluster.network import ClusterError
+from utils.cluster.run import check_run, run
+
+ROOT = notebooks.ROOT
+
+
+# ---------------------------------------------------------------- arguments (default run)
+
+@pytest.mark.parametrize("rate, bits", [("100mbit", 1e8), ("1gbit", 1e9), ("500kbit", 5e5), ("2.5Gbit", 2.5e9),
+                                        ("64bit", 64)])
+def test_rates_are_read_in_tc_units(rate, bits):
+    assert network.bits_per_second(rate) == bits
+
+
+@pytest.mark.parametrize("rate", ["100mbps", "100", "fast", "0mbit", "-1mbit", "1 tbit"])
+def test_a_rate_that_is_not_a_bit_rate_is_refused_naming_the_option(rate):
+    with pytest.raises(ClusterError, match="--link must be a rate such as 100mbit"):
+        network.bits_per_second(rate)
+
+
+def test_delays_and_node_counts_are_checked():
+    assert network.seconds_of("5ms") == 0.005 and network.seconds_of("200us") == pytest.approx(2e-4)
+    assert network.seconds_of(None) == 0
+    with pytest.raises(ClusterError, match="--delay must be a time"):
+        network.seconds_of("5")
+    for nodes in (0, -1, 65, 1.5, True, "2"):
+        with pytest.raises(ClusterError, match="--nodes must be a whole number from 1 to 64"):
+            network.check_nodes(nodes)
+
+
+def test_a_run_names_a_bad_count_or_a_missing_script(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(ClusterError, match="--nproc-per-node must be"):
+        check_run(2, 0, script, 60)
+    with pytest.raises(ClusterError, match="no such script: .*nothere.py"):
+        check_run(2, 2, tmp_path / "nothere.py", 60)
+    with pytest.raises(ClusterError, match="--timeout must be a positive number"):
+        check_run(2, 2, script, 0)
+
+
+@pytest.fixture
+def no_commands(monkeypatch):
+    """Fail the test if any command runs: a refusal must come before anything is touched."""
+    def refuse(*command, **kwargs):
+        raise AssertionError(f"a command ran: {command}")
+    monkeypatch.setattr(network, "sh", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("verb", [["up"], ["down"], ["status"], ["bench"], ["run", __file__]])
+def test_without_root_every_verb_stops_before_touching_anything_and_says_how(verb, monkeypatch, capsys, no_commands):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(network, "user_namespaces_allowed", lambda: True)
+    assert cli.main(verb) == 2
+    message = capsys.readouterr().err
+    assert "needs root" in message and "uid 1000" in message and "sudo" in message
+    assert "unshare --user --map-root-user --net --mount" in message
+
+
+def test_without_user_namespaces_the_message_names_the_kernel_setting(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(network, "user_namespaces_allowed", lambda: False)
+    assert "kernel.unprivileged_userns_clone=1" in network.missing_privileges()
+
+
+def test_off_linux_or_without_iproute2_the_message_says_what_is_missing(monkeypatch, capsys, no_commands):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert cli.main(["up"]) == 2
+    assert "needs Linux" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
+    assert cli.main(["down"]) == 2
+    assert "the tc command(s) from iproute2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real namespaces (slow, root)
+
+PRIVILEGES = network.missing_privileges()
+needs_root = pytest.mark.skipif(PRIVILEGES is not None, reason=f"makes network namespaces: {PRIVILEGES}")
+
+
+def leftovers():
+    """Everything of ours that could outlive a cluster: namespaces, interfaces (with them their qdiscs), hosts
+    files, the state file, and processes (torchrun agents of a run: they carry --rdzv_id)."""
+    processes = subprocess.run(["pgrep", "-f", r"torch\.distributed\.run .*--rdzv_id="], capture_output=True,
+                               text=True).stdout.split()
+    return {"namespaces": network.our_namespaces(), "interfaces": network.our_links(),
+            "hosts": sorted(p.name for p in network.HOSTS.glob(network.PREFIX + "*")),
+            "state": network.STATE.exists(), "processes": processes}
+
+
+NOTHING = {"namespaces": [], "interfaces": [], "hosts": [], "state": False, "processes": []}
+
+
+@pytest.fixture
+def clean():
+    """Each test starts and ends with no cluster (a test that fails leaves nothing either)."""
+    network.down(quiet=True)
+    yield
+    network.down(quiet=True)
+
+
+def a_script(tmp_path, body):
+    path = tmp_path / "script.py"
+    path.write_text("import os\nimport time\nimport torch.distributed as dist\n\ndist.init_process_group('gloo')\n"
+                    "rank = dist.get_rank()\n" + body)
+    return path
+
+
+@pytest.mark.slow
+@needs_root
+def test_up_status_down_is_idempotent_and_leaves_nothing(clean, capsys):
+    network.up(2, "100mbit", "5ms")
+    network.up(2, "100mbit", "5ms")
+    out = capsys.readouterr().out
+    assert "up: 2 node(s)" in out and "already up" in out
+    assert ("no latency was added" in out) != network.read_state()["latency_added"]  # said where netem is missing
+    assert network.status()["nodes"] == 2
+    out = capsys.readouterr().out
+    assert out.count("qdisc tbf") + out.count("qdisc netem") == 2, out
+    network.down()
+    network.down()
+    assert "nothing to remove" in capsys.readouterr().out
+    assert leftovers() == NOTHING
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_failing_run_leaves_nothing_and_reports_the_rank_that_failed(clean, tmp_path, capsys):
+    path = a_script(tmp_path, "print('hello', rank, flush=True)\nif rank == 2:\n    raise SystemExit('rank 2 fails')\n"
+                              "dist.barrier()\n")
+    code, ranks, _ = run(2, 2, path, timeout=120)
+    assert code != 0
+    assert sorted(ranks) == [0, 1, 2, 3] and ranks[2] == (1, ["hello 2", "rank 2 fails"])
+    assert leftovers() == NOTHING
+    up_before = network.up(2, "100mbit", quiet=True)  # a run on a cluster that `up` made leaves it up
+    assert run(2, 2, path, timeout=120, echo=False)[0] != 0
+    assert network.read_state() == up_before and network.processes_in(network.namespace(1)) == []
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, "timeout"])
+def test_an_interrupted_or_stalled_run_leaves_nothing(clean, tmp_path, how):
+    path = a_script(tmp_path, "print('waiting', flush=True)\ntime.sleep(600)\n")
+    command = [sys.executable, "-m", "utils.cluster", "run", "--nodes", "2", "--nproc-per-node", "2", str(path)]
+    if how == "timeout":
+        command[4:4] = ["--timeout", "20"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if how != "timeout":
+        deadline = time.monotonic() + 60  # until every rank runs: 2 torchruns and 4 workers in the namespaces
+        while sum(len(network.processes_in(n)) for n in network.our_namespaces()) < 6:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(3)
+        proc.send_signal(how)
+    try:
+        out, err = proc.communicate(timeout=120)  # seen once over 60 s at a load of 35 on 2 cores
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end after {how}: {err[-2000:]}")
+    assert proc.returncode == (124 if how == "timeout" else 130), err[-2000:]
+    assert leftovers() == NOTHING
+
+
+def transfer_bits_per_second(megabytes=12):
+    """Payload bits per second of one TCP stream from node 0 to node 1 (no ping here: a socket)."""
+    receive = ("import socket, time\ns = socket.socket(); s.bind(('', 5555)); s.listen(1); print('ready', flush=True)\n"
+               "c = s.accept()[0]; n, t = 0, None\n"
+               "while b := c.recv(1 << 20):\n    t = t or time.perf_counter(); n += len(b)\n"
+               "print(n * 8 / (time.perf_counter() - t))\n")
+    send = f"import socket\nc = socket.create_connection(('{network.address(1)}', 5555))\n" \
+           f"for _ in range({megabytes}): c.sendall(b'x' * (1 << 20))\n"
+    server = subprocess.Popen(network.in_node(1, sys.executable, "-c", receive), stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline() == "ready\n"
+    subprocess.run(network.in_node(0, sys.executable, "-c", send), check=True, timeout=60)
+    return float(server.communicate(timeout=60)[0])
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.parametrize("link", ["100mbit", "1gbit"])
+def test_a_shaped_link_carries_its_rate_within_ten_percent(clean, link):
+    network.up(2, link)
+    measured = transfer_bits_per_second(12 if link == "100mbit" else 120)
+    assert measured == pytest.approx(network.bits_per_second(link), rel=0.10)
+
+
+@pytest.mark.slow
+@needs_root
+def test_up_run_down_on_two_by_two_costs_under_30_s_beyond_the_script(clean, tmp_path):
+    """The script alone: torchrun with 4 ranks on this machine; the cluster: up, the same script on 2 x 2, down."""
+    path = a_script(tmp_path, "dist.barrier()\nprint('done', rank)\n")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(path)],
+                   check=True, capture_output=True, cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+    alone = time.perf_counter() - start
+    start = time.perf_counter()
+    network.up(2, "1gbit", quiet=True)
+    code, ranks, _ = run(2, 2, path, echo=False)
+    network.down(quiet=True)
+    on_cluster = time.perf_counter() - start
+    assert code == 0 and {r: lines for r, (_, lines) in ranks.items()} == {r: [f"done {r}"] for r in range(4)}
+    assert on_cluster - alone < 30, f"script alone {alone:.1f} s, up..down {on_cluster:.1f} s"
+
+
+# ---------------------------------------------------------------- every notebook on two nodes (slow, root)
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+NODES = {"12_nd_parallel.ipynb": (2, 4)}  # (nodes, ranks per node): 12's 3-D mesh needs 8 ranks
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", [p.name for p in SOLUTIONS])
+def test_every_notebook_prints_on_two_nodes_what_it_prints_on_one(clean, name, tmp_path):
+    """The script without its timing cells (their numbers differ run to run), on 2 nodes x K ranks and on 1 node x
+    2K: the same checks pass and every rank prints the same lines."""
+    nodes, per_node = NODES.get(name, (2, 2))
+    script = tmp_path / name.replace(".ipynb", ".py")
+    assert notebooks.main(["--script", str(ROOT / "solutions" / name), "--no-timing", "-o", str(script)]) == 0
+    network.up(nodes, "1gbit", quiet=True)
+    code, two_nodes, logs = run(nodes, per_node, script, timeout=900, echo=False)
+    assert code == 0, "\n".join(line for _, lines in two_nodes.values() for line in lines)[-3000:] + str(logs)
+    network.down(quiet=True)
+    code, one_node, logs = run(1, nodes * per_node, script, timeout=900, echo=False)
+    assert code == 0, str(logs)
+    assert [two_nodes[r][0] for r in sorted(two_nodes)] == [r // per_node for r in range(nodes * per_node)]
+    assert sorted(two_nodes) == sorted(one_node)
+    for rank in sorted(one_node):
+        two, one = masked(two_nodes[rank][1]), masked(one_node[rank][1])
+        assert two == one, first_difference(rank, two, one)
+
+
+RUN_FOLDER = re.compile(r"/\S*?dtfs-run-\w+(/tmp\w+)?")  # each run's TMPDIR (08 prints a checkpoint's path)
+
+
+def masked(lines):
+    return [RUN_FOLDER.sub("<tmp>", line) for line in lines]
+
+
+def first_difference(rank, two_nodes, one_node):
+    i = next((i for i, (a, b) in enumerate(zip(two_nodes, one_node)) if a != b), min(len(two_nodes), len(one_node)))
+    return (f"rank {rank}, line {i}: on two nodes {two_nodes[i:i + 3]}\n"
+            f"                 on one node  {one_node[i:i + 3]}")
