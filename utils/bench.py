@@ -107,7 +107,7 @@ def order_verdict(spreads):
 def ratio_verdict(a_name, a, b_name, b):
     """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate;
     otherwise that this machine cannot separate them (with the range, which then includes 1)."""
-    low, high = a.low / b.high, a.high / b.low
+    low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
     if separated(a, b):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"
     return f"this machine cannot separate {a_name} and {b_name}: their runs overlap (ratio {low:.2f} to {high:.2f})"
