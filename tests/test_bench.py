@@ -1,7 +1,10 @@
 """The timing discipline's verdicts, on made-up samples: an order or a ratio only when the runs separate."""
+import time
+
 import torch
 
 from utils import bench
+from utils.launch import spawn
 
 
 def test_spread_is_the_median_and_the_range():
@@ -49,3 +52,13 @@ def test_threads_restores_the_count():
     with bench.threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def slowest_rank_main(rank, world_size):
+    return bench.interleaved_samples({"a": lambda: time.sleep(0.05 if rank == 1 else 0), "b": lambda: None},
+                                     repeat=2)
+
+
+def test_on_ranks_a_run_takes_its_slowest_ranks_seconds():
+    for samples in spawn(slowest_rank_main, 2):
+        assert min(samples["a"]) >= 0.05 and len(samples["b"]) == 2
