@@ -1,5 +1,8 @@
-"""Timing: medians of repeated runs, bandwidths (by convention and as measured at the sockets), the alpha-beta
-model. Tests never assert on timings."""
+"""Timing: medians of repeated runs, interleaved, with their spread and a verdict that states an order or a ratio
+only when the runs separate; bandwidths (by convention and as measured at the sockets), the alpha-beta model.
+Tests never assert on timings, only on verdicts from made-up samples."""
+import collections
+import contextlib
 import statistics
 import time
 
@@ -28,11 +31,11 @@ def collective_seconds(fn, repeat=5, warmup=1):
     return interleaved_seconds({"fn": fn}, repeat, warmup)["fn"]
 
 
-def interleaved_seconds(fns, repeat=5, warmup=1):
-    """{name: median seconds} for several calls, timed in turns (a, b, a, b, ...) so that a change in the
-    machine's load hits them all alike. On ranks (a process group is up), every rank makes the calls, each
-    run starts after a barrier, and the slowest rank's median counts (see collective_seconds); in a single
-    process, its own medians."""
+def interleaved_samples(fns, repeat=5, warmup=1):
+    """{name: [seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup`
+    untimed turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up),
+    every rank makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a
+    step ends with its last rank); in a single process, its own."""
     ranks = dist.is_initialized()
     times = {name: [] for name in fns}
     for run in range(warmup + repeat):
@@ -43,10 +46,71 @@ def interleaved_seconds(fns, repeat=5, warmup=1):
             fn()
             if run >= warmup:
                 times[name].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(times[name]) for name in fns], dtype=torch.float64)
     if ranks:
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(fns, medians.tolist()))
+        slowest = torch.tensor([times[name] for name in fns], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = dict(zip(fns, slowest.tolist()))
+    return times
+
+
+def interleaved_seconds(fns, repeat=5, warmup=1):
+    """{name: median seconds} of interleaved_samples."""
+    return {name: statistics.median(s) for name, s in interleaved_samples(fns, repeat, warmup).items()}
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Run the block with `n` threads, then restore the count: time a baseline with as many threads as each rank
+    gets (utils.launch.threads_per_rank), or it measures the threads, not the method."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# The discipline of every timing cell: equal threads, warm-up, variants interleaved (interleaved_samples), and
+# a median with the range of the runs. A cell states an order or a ratio only when the ranges separate (every
+# run of one variant is faster than every run of the other); otherwise it says that this machine cannot
+# separate them. On shared cores that is often the honest answer.
+Spread = collections.namedtuple("Spread", "median low high")  # seconds: the median run, the fastest, the slowest
+
+
+def spread(samples):
+    return Spread(statistics.median(samples), min(samples), max(samples))
+
+
+def format_spread(s, unit="ms"):
+    scale = {"s": 1, "ms": 1e3, "us": 1e6}[unit]
+    return f"{s.median * scale:.1f} {unit} ({s.low * scale:.1f} to {s.high * scale:.1f})"
+
+
+def separated(a, b):
+    """True when the ranges of two Spreads do not overlap."""
+    return a.high < b.low or b.high < a.low
+
+
+def order_verdict(spreads):
+    """The variants from fastest to slowest, `a < b` where their ranges separate and `a ~ b` where this machine
+    cannot separate them. spreads: {name: Spread}."""
+    names = sorted(spreads, key=lambda name: spreads[name].median)
+    if len(names) == 2 and not separated(*(spreads[name] for name in names)):
+        return f"this machine cannot separate {names[0]} and {names[1]}: their runs overlap"
+    chain = names[0]
+    for a, b in zip(names, names[1:]):
+        chain += f" {'<' if separated(spreads[a], spreads[b]) else '~'} {b}"
+    tail = " (~: this machine cannot separate them)" if "~" in chain else ""
+    return f"fastest to slowest: {chain}{tail}"
+
+
+def ratio_verdict(a_name, a, b_name, b):
+    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate;
+    otherwise that this machine cannot separate them (with the range, which then includes 1)."""
+    low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
+    if separated(a, b):
+        return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"
+    return f"this machine cannot separate {a_name} and {b_name}: their runs overlap (ratio {low:.2f} to {high:.2f})"
 
 
 # Two ways to turn a time into a link speed, side by side (notebook 01):

@@ -1,0 +1,64 @@
+"""The timing discipline's verdicts, on made-up samples: an order or a ratio only when the runs separate."""
+import time
+
+import torch
+
+from utils import bench
+from utils.launch import spawn
+
+
+def test_spread_is_the_median_and_the_range():
+    assert bench.spread([0.3, 0.1, 0.2, 0.5, 0.4]) == bench.Spread(0.3, 0.1, 0.5)
+    assert bench.format_spread(bench.Spread(0.0148, 0.0139, 0.0162)) == "14.8 ms (13.9 to 16.2)"
+
+
+def test_separated_spreads_give_the_order():
+    fast, slow = bench.spread([1.0, 1.1, 1.2]), bench.spread([2.0, 2.1, 2.3])
+    assert bench.order_verdict({"slow": slow, "fast": fast}) == "fastest to slowest: fast < slow"
+
+
+def test_overlapping_spreads_cannot_be_separated_even_when_the_medians_differ():
+    a, b = bench.spread([1.0, 1.5, 3.0]), bench.spread([2.0, 2.5, 2.6])
+    assert bench.order_verdict({"a": a, "b": b}) == "this machine cannot separate a and b: their runs overlap"
+
+
+def test_an_order_of_several_marks_the_pairs_it_cannot_separate():
+    spreads = {"c": bench.spread([5, 6]), "b": bench.spread([2.5, 3.5]), "a": bench.spread([1, 3])}
+    assert bench.order_verdict(spreads) == "fastest to slowest: a ~ b < c (~: this machine cannot separate them)"
+
+
+def test_separated_spreads_give_the_ratio_and_its_range():
+    a, b = bench.spread([3.0, 3.2, 3.5]), bench.spread([1.0, 1.1, 1.2])
+    assert bench.ratio_verdict("ranks", a, "one process", b) == \
+        "ranks / one process = 2.91 (runs allow 2.50 to 3.50)"
+
+
+def test_overlapping_spreads_give_no_ratio():
+    a, b = bench.spread([1.0, 1.2, 2.0]), bench.spread([1.5, 1.6, 1.7])
+    assert bench.ratio_verdict("ring", a, "all-gather", b) == \
+        "this machine cannot separate ring and all-gather: their runs overlap (ratio 0.59 to 1.33)"
+
+
+def test_interleaved_samples_take_turns_after_the_warm_up():
+    calls = []
+    samples = bench.interleaved_samples({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                        repeat=2, warmup=1)
+    assert calls == ["a", "b"] * 3
+    assert [len(s) for s in samples.values()] == [2, 2]
+
+
+def test_threads_restores_the_count():
+    before = torch.get_num_threads()
+    with bench.threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def slowest_rank_main(rank, world_size):
+    return bench.interleaved_samples({"a": lambda: time.sleep(0.05 if rank == 1 else 0), "b": lambda: None},
+                                     repeat=2)
+
+
+def test_on_ranks_a_run_takes_its_slowest_ranks_seconds():
+    for samples in spawn(slowest_rank_main, 2):
+        assert min(samples["a"]) >= 0.05 and len(samples["b"]) == 2
