@@ -321,6 +321,28 @@ def format_validation(rows, columns=VALIDATION_COLUMNS):
     return "\n".join(lines)
 
 
+def format_by_source(rows, within=0.15):
+    """One line per source (a run's name starts with its source's tag): the runs compared, the predicted-over-
+    reported throughput (median and range), how many within `within`, the memory ratio's range, and the trained
+    layouts the planner calls out of memory."""
+    by_source = {}
+    for row in rows:
+        by_source.setdefault(row["name"].split()[0], []).append(row)
+    lines = [f"{'source':>14} {'runs':>4} {'compared':>8} {'median':>6} {'range':>11} {'within':>6} "
+             f"{'memory':>11} {'trained, predicted OOM':>22}"]
+    for source, group in by_source.items():
+        ratios = sorted(r["ratio"] for r in group if r["ratio"])
+        memory = sorted(r["memory_ratio"] for r in group if r["memory_ratio"])
+        lost = sum(r["fits"] is False and not r["oom"] for r in group)
+        median = f"{ratios[len(ratios) // 2]:.2f}" if ratios else "-"
+        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-"
+        near = sum(abs(r - 1) <= within for r in ratios)
+        mem = f"{memory[0]:.2f}-{memory[-1]:.2f}" if memory else "-"
+        lines.append(f"{source:>14} {len(group):>4} {len(ratios):>8} {median:>6} {spread:>11} {near:>6} {mem:>11} "
+                     f"{lost:>22}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the runs
 #
 # Each family's rows are the source's table rows as printed; what a row leaves unstated is None in its Layout, and
