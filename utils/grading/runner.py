@@ -52,11 +52,8 @@ def call_in_fork(function, args, kwargs, name):
     tensors and plain attributes (a constructor's self, a gradient divided in place) come back as data."""
     import cloudpickle
     tensors, objects = reachable((args, kwargs))
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:  # the fork: run, report, leave without Python's teardown
-        os.close(read_end)
+
+    def report():  # in the fork: run, then what came of it as bytes
         try:
             before = [dict(vars(o)) for o in objects]
             try:
@@ -66,16 +63,11 @@ def call_in_fork(function, args, kwargs, name):
             effects = ([(t.detach(), t.grad) for t in tensors],
                        [{k: v for k, v in vars(o).items() if (k not in was or v is not was[k]) and plain(v)}
                         for o, was in zip(objects, before)])
-            data = cloudpickle.dumps((outcome, effects))
-        except BaseException as e:  # noqa: B036 -- whatever happens, the fork ends here
-            data = pickle.dumps((("raised", "RuntimeError", f"{name}'s result cannot be sent back: {e!r}"), None))
-        with os.fdopen(write_end, "wb") as f:
-            f.write(data)
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
+            return cloudpickle.dumps((outcome, effects))
+        except BaseException as e:  # noqa: B036 -- whatever happens, the fork ends with a report
+            return pickle.dumps((("raised", "RuntimeError", f"{name}'s result cannot be sent back: {e!r}"), None))
+
+    data = in_fork(report)
     try:
         outcome, effects = safe_load(io.BytesIO(data))
     except Exception as e:
@@ -235,27 +227,41 @@ def run_in_fork(code, namespace):
     needs them here, as an autograd Function in one process): its outcome, [name, message] or None, comes back
     through a pipe of its own, which its ranks do not hold. The fork ran the student's code: the outcome of this
     one cell could be forged; nothing else can be (the cell's definitions stay in the fork)."""
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        close_in_forks(write_end)
+    def report():  # in the fork: the cell's outcome, whatever it is
         error = None
         try:
             exec(code, namespace)
-        except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
+        except BaseException as e:  # noqa: B036
             error = [type(e).__name__, str(e)]
-        os.write(write_end, json.dumps(error).encode())
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
+        return json.dumps(error).encode()
+
+    data = in_fork(report)
     try:
         return json.loads(data)
     except ValueError:
         return ["RuntimeError", "the check's fork ended without a report"]
+
+
+def in_fork(report):
+    """report() run in a fork of this process, which then ends without Python's teardown; the bytes it returns come
+    back through a pipe of their own, which no process the fork starts (its ranks) holds."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            close_in_forks(write_end)
+            data = report()
+            with os.fdopen(write_end, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return data
 
 
 def close_in_forks(*fds):
