@@ -470,37 +470,61 @@ def chunked(order):
 def idle_slots(orders, num_virtual=1, durations=None):
     """Play the tables `orders` (one per rank: (kind, micro-batch) or (kind, chunk, micro-batch)) with
     computations of fixed length (default F = B = W = 1, and B = 2 for a backward not split) and free
-    hand-offs. Returns (slots each rank computed, the step's length): the exact bubble, in slots.
-    F of piece j needs F of piece j - 1; B of piece j needs B of piece j + 1; W follows its B on the rank."""
+    hand-offs. Returns (slots each rank computed, the step's length): the exact bubble, in slots."""
+    split = any(a[0] == "W" for order in orders for a in order)
+    durations = durations or {"F": 1, "B": 1 if split else 2, "W": 1}
+    timelines, _ = play(orders, num_virtual, lambda kind, piece, i: durations[kind])
+    busy = [sum(durations[kind] for kind, _, _, _, _ in timeline) for timeline in timelines]
+    return busy, max(end for timeline in timelines for *_, end in timeline)
+
+
+def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
+    """Play the tables `orders` (one per rank, in the order the rank runs them: (kind, micro-batch) or (kind,
+    chunk, micro-batch); piece = rank + chunk p) on a clock: each computation lasts `seconds(kind, piece,
+    micro-batch)`, and starts once the one before it on its rank has ended and what it needs has arrived. F of
+    piece j needs F of piece j - 1; B of piece j needs B of piece j + 1 (the last piece's, its own F); W follows
+    its B on the rank (on a piece whose table has no B, as the first piece's recorded W, the B of the piece after).
+    A computation whose result a neighbour needs then sends it: the message holds the sender `hand_off` seconds
+    (a send waited for, as Megatron-LM's schedules do and the planner counts it) and arrives when it ends.
+    Returns (timelines, sends): per rank, (kind, chunk, micro-batch, start, end) in the order run, and the
+    (start, end) of each of its sends. A table that waits for something that never runs first: a ValueError."""
     p = len(orders)
     orders = [[a if len(a) == 3 else (a[0], 0, a[1]) for a in order] for order in orders]
-    split = any(kind == "W" for order in orders for kind, _, _ in order)
-    durations = durations or {"F": 1, "B": 1 if split else 2, "W": 1}
-    ends, free, nxt = {}, [0] * p, [0] * p
+    seconds = seconds or (lambda kind, piece, i: 1)
+    last_piece = p * num_virtual - 1
+    has_b = {r + chunk * p for r, order in enumerate(orders) for kind, chunk, _ in order if kind == "B"}
+    arrived, free, nxt = {}, [0] * p, [0] * p
+    timelines, sends = [[] for _ in range(p)], [[] for _ in range(p)]
     while any(nxt[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             while nxt[r] < len(orders[r]):
                 kind, chunk, i = orders[r][nxt[r]]
                 piece = r + chunk * p
-                need = {"F": ("F", piece - 1), "B": ("B", piece + 1), "W": ("B", piece)}[kind]
-                last_piece = p * num_virtual - 1
+                need = {"F": ("F", piece - 1), "B": ("B", piece + 1),
+                        "W": ("B", piece) if piece in has_b else ("B", piece + 1)}[kind]
                 if kind == "B" and piece == last_piece:
                     need = ("F", piece)
-                if kind == "F" and piece == 0:
+                if kind == "F" and piece == 0 or kind == "W" and need[1] > last_piece:
                     ready = 0
-                elif need + (i,) in ends:
-                    ready = ends[need + (i,)]
+                elif need + (i,) in arrived:
+                    ready = arrived[need + (i,)]
                 else:
                     break
                 start = max(free[r], ready)
-                free[r] = ends[kind, piece, i] = start + durations[kind]
+                free[r] = end = start + seconds(kind, piece, i)
+                timelines[r].append((kind, chunk, i, start, end))
+                if hand_off and (kind == "F" and piece < last_piece or kind == "B" and piece > 0) and p > 1:
+                    free[r] += hand_off
+                    sends[r].append((end, free[r]))
+                arrived[kind, piece, i] = free[r]
                 nxt[r] += 1
                 progressed = True
         if not progressed:
-            raise ValueError("the tables deadlock: some computation waits for one that never runs first")
-    busy = [sum(durations[kind] for kind, _, _ in order) for order in orders]
-    return busy, max(free)
+            raise ValueError("the tables deadlock: some computation waits for one that never runs first ("
+                             + "; ".join(f"rank {r} at {orders[r][nxt[r]][0]}{orders[r][nxt[r]][2]}.{orders[r][nxt[r]][1]}"
+                                         for r in range(p) if nxt[r] < len(orders[r])) + ")")
+    return timelines, sends
 
 
 def formula_idle_share(schedule, num_stages, num_micro_batches, num_virtual=1):

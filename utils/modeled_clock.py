@@ -1,0 +1,169 @@
+"""A modeled clock (issue 42): a pipeline step's recorded order replayed on a modeled cluster.
+
+Two shared cores cannot show a bubble of a few percent; a model can. What is replayed is what each rank ran, in
+the order it ran it (the StepRecords of `utils.pipeline.record_step`, or a schedule's table), so a wrong schedule
+gives a wrong timeline. The costs are the planner's (utils.planner), not a second model:
+
+    a computation   its matrix products' FLOPs through the device's roofline (`matmul_seconds`), its element-wise
+                    work through its memory (`memory_bound_seconds`)
+    a hand-off      one micro-batch's activation (or its gradient) through `message_seconds` on the link the
+                    pipeline group crosses (`group_links`); it holds the sender while it travels
+
+and the clock is `utils.pipeline.play`, the player `idle_slots` uses. Two cost models:
+
+- `mlp_costs`: the course's MLP (Linear then GELU, no bias) scaled up: hidden 8192, 32 layers, micro-batches of
+  4096 rows in bf16, on 4 H100 SXM in one node (NVLink). Per layer: F = the product x W^T and GELU; B = GELU's
+  backward and the input's gradient dz W (none on the model's first layer: the data needs no gradient); W = the
+  weights' gradient dz^T x. F, B and W multiply as many FLOPs; B also moves GELU's backward through memory, so
+  B > F > W by a few percent.
+- `planner_costs`: the planner's transformer, its per-stage F, B and W (step.py) piece by piece: the replay of a
+  layout's table and the planner's step time are one model used twice (tests/test_modeled_clock.py).
+"""
+import dataclasses
+
+from utils import planner as pl
+from utils.pipeline import Event, play, stage_layers
+
+HIDDEN_DIM, NUM_LAYERS, ROWS = 8192, 32, 4096  # the course's MLP, scaled up
+ELEMENT_BYTES = 2  # bf16
+GPU, NUM_DEVICES = "H100 SXM", 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds of one micro-batch's computations on each piece of the model (piece j runs on rank j % p), and of
+    one hand-off between neighbouring pieces."""
+
+    forward: tuple
+    input_grad: tuple  # B
+    weight_grad: tuple  # W
+    hand_off: float
+    where: str  # what is modeled, for labels
+
+    def seconds(self, kind, piece, split):
+        """One computation: F, B or W; a backward not split (`split` False) is B + W."""
+        if kind == "F":
+            return self.forward[piece]
+        b, w = self.input_grad[piece], self.weight_grad[piece]
+        return {"B": b if split else b + w, "W": w if split else b + w}[kind]
+
+
+def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROWS, gpu=GPU,
+              num_devices=NUM_DEVICES, element_bytes=ELEMENT_BYTES):
+    """Costs of the course's MLP cut into `num_pieces` pieces by notebook 04's rule (utils.pipeline.stage_layers),
+    each piece on its own device of `num_devices` named `gpu` (utils.planner.cluster), the pipeline group's link."""
+    cluster = pl.cluster(gpu, num_devices)
+    h, e = hidden_dim, element_bytes
+    product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
+    weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
+    gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
+    counts = [len(layers) for layers in stage_layers(num_layers, num_pieces)]
+    link = _pipeline_link(cluster, num_pieces if num_pieces <= num_devices else num_devices)
+    where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16, on "
+             f"{num_devices} {gpu} in {'one node' if num_devices <= cluster.devices_per_node else 'nodes'} "
+             f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+    return Costs(forward=tuple(n * (product + gelu) for n in counts),
+                 input_grad=tuple(n * (product + gelu_back) - product * (j == 0) for j, n in enumerate(counts)),
+                 weight_grad=tuple(n * weight for n in counts),
+                 hand_off=pl.message_seconds(rows * h * e, link), where=where)
+
+
+def _pipeline_link(cluster, pp):
+    return pl.group_links(cluster, pl.Config(pp=pp, dp=cluster.num_devices // pp))["pp"][1]
+
+
+def planner_costs(model, cluster, config):
+    """The planner's F, B and W per micro-batch (utils/planner/step.py), piece by piece, for a pure pipeline
+    (tp = cp = dp = 1, no recomputation): each piece's layers (stage_layer_counts), the output layer and its loss
+    on the last piece (its backward half B, half W, as the planner splits it), one hand-off of the micro-batch's
+    activations on the pipeline group's link."""
+    c = config
+    if (c.tp, c.cp, c.dp, c.ep) != (1, 1, 1, 1) or c.recompute != "none":
+        raise ValueError(f"planner_costs replays a pure pipeline: tp, cp, dp, ep must be 1 and recompute 'none', "
+                         f"got tp={c.tp} cp={c.cp} dp={c.dp} ep={c.ep} recompute={c.recompute!r}")
+    lt = pl.layer_times(model, cluster, c)
+    out_f, out_b = pl.output_layer_seconds(model, cluster, c)
+    counts = pl.stage_layer_counts(model.num_layers, c.pp * c.v)
+    last = [j == len(counts) - 1 for j in range(len(counts))]
+    activations = c.micro_batch_size * model.seq_len * model.dim * model.activation_bytes
+    return Costs(forward=tuple(n * lt.forward + out_f * end for n, end in zip(counts, last)),
+                 input_grad=tuple(n * lt.input_grad + out_b / 2 * end for n, end in zip(counts, last)),
+                 weight_grad=tuple(n * lt.weight_grad + out_b / 2 * end for n, end in zip(counts, last)),
+                 hand_off=pl.message_seconds(activations, pl.group_links(cluster, c)["pp"][1]),
+                 where=f"{model.name} on {cluster.num_devices} {cluster.gpu}, pp={c.pp}, v={c.v}")
+
+
+@dataclasses.dataclass
+class Clock:
+    """A step replayed on the modeled clock."""
+
+    events: list  # per rank, utils.pipeline.Event (start, end in modeled seconds; piece: the rank's chunk)
+    sends: list  # per rank, (start, end) of each hand-off it sent
+    step: float  # seconds, from the first computation's start to the last hand-off's or computation's end
+    busy: list  # per rank, seconds computing
+
+    @property
+    def idle(self):
+        """Each rank's idle share: 1 - (time it computed) / step (its hand-offs count as idle)."""
+        return [1 - b / self.step for b in self.busy]
+
+    @property
+    def idle_share(self):
+        return 1 - sum(self.busy) / (len(self.busy) * self.step)
+
+    @property
+    def hand_off_share(self):
+        """The share of the ranks' time spent sending."""
+        return sum(end - start for sends in self.sends for start, end in sends) / (len(self.sends) * self.step)
+
+
+def recorded_order(record):
+    """A rank's StepRecord as a table: (kind, chunk, micro-batch) of each computation, in the order they started."""
+    return [(e.kind, e.piece, e.micro_batch) for e in sorted(record.events, key=lambda e: e.start)]
+
+
+def replay(orders, costs=None, num_virtual=1, num_micro_batches=None):
+    """Replay one step: `orders` per rank (StepRecords, or tables of (kind, micro-batch) or (kind, chunk,
+    micro-batch)) on the modeled clock with `costs` (None: F = B = W = 1, a backward not split 2, free hand-offs:
+    notebook 11's slots). Every rank must run, for each of its pieces and each micro-batch, one F and its backward
+    (one B, or B and W, or, on the first piece, W alone); otherwise a ValueError names what is missing or repeated,
+    before anything is played. Returns a Clock."""
+    orders = [recorded_order(o) if hasattr(o, "events") else [a if len(a) == 3 else (a[0], 0, a[1]) for a in o]
+              for o in orders]
+    p = len(orders)
+    m = num_micro_batches if num_micro_batches is not None else 1 + max(i for o in orders for _, _, i in o)
+    _check_complete(orders, num_virtual, m)
+    kinds = {(r + chunk * p, kind) for r, order in enumerate(orders) for kind, chunk, _ in order}
+    split = {piece: (piece, "W") in kinds and (piece, "B") in kinds for piece in range(p * num_virtual)}
+    if costs is None:
+        seconds = lambda kind, piece, i: 1 if split[piece] or kind == "F" else 2
+        hand_off = 0.0
+    else:
+        if len(costs.forward) != p * num_virtual:
+            raise ValueError(f"the costs are for {len(costs.forward)} pieces, the tables for {p} ranks x "
+                             f"{num_virtual} = {p * num_virtual}")
+        seconds = lambda kind, piece, i: costs.seconds(kind, piece, split[piece])
+        hand_off = costs.hand_off
+    timelines, sends = play(orders, num_virtual, seconds, hand_off)
+    events = [[Event(kind, i, start, end, chunk) for kind, chunk, i, start, end in t] for t in timelines]
+    step = max([e.end for t in events for e in t] + [end for s in sends for _, end in s])
+    return Clock(events, sends, step, [sum(e.end - e.start for e in t) for t in events])
+
+
+def _check_complete(orders, num_virtual, num_micro_batches):
+    p = len(orders)
+    for r, order in enumerate(orders):
+        counts = {}
+        for kind, chunk, i in order:
+            if not 0 <= chunk < num_virtual:
+                raise ValueError(f"rank {r} runs {kind}{i} on chunk {chunk}, but holds {num_virtual} piece(s)")
+            counts[kind, chunk, i] = counts.get((kind, chunk, i), 0) + 1
+        for chunk in range(num_virtual):
+            for i in range(num_micro_batches):
+                n = {kind: counts.get((kind, chunk, i), 0) for kind in "FBW"}
+                first = r + chunk * p == 0
+                backward_ok = (n["B"], n["W"]) in ((1, 0), (1, 1)) or (first and (n["B"], n["W"]) == (0, 1))
+                if n["F"] != 1 or not backward_ok:
+                    raise ValueError(f"rank {r}, piece {r + chunk * p}, micro-batch {i}: ran F x{n['F']}, B x{n['B']}, "
+                                     f"W x{n['W']}; each micro-batch needs one F and one backward (B, or B then W)")
+
