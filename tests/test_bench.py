@@ -27,6 +27,11 @@ def test_an_order_of_several_marks_the_pairs_it_cannot_separate():
     assert bench.order_verdict(spreads) == "fastest to slowest: a ~ b < c (~: this machine cannot separate them)"
 
 
+def test_an_order_of_another_measure_names_its_ends():
+    idle = {"1F1B": bench.spread([0.30, 0.35]), "ZB-H1": bench.spread([0.10, 0.12])}
+    assert bench.order_verdict(idle, ("least idle", "most idle")) == "least idle to most idle: ZB-H1 < 1F1B"
+
+
 def test_separated_spreads_give_the_ratio_and_its_range():
     a, b = bench.spread([3.0, 3.2, 3.5]), bench.spread([1.0, 1.1, 1.2])
     assert bench.ratio_verdict("ranks", a, "one process", b) == \

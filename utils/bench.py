@@ -91,9 +91,9 @@ def separated(a, b):
     return a.high < b.low or b.high < a.low
 
 
-def order_verdict(spreads):
-    """The variants from fastest to slowest, `a < b` where their ranges separate and `a ~ b` where this machine
-    cannot separate them. spreads: {name: Spread}."""
+def order_verdict(spreads, ends=("fastest", "slowest")):
+    """The variants from fastest to slowest (or from `ends[0]` to `ends[1]` of another measure), `a < b` where
+    their ranges separate and `a ~ b` where this machine cannot separate them. spreads: {name: Spread}."""
     names = sorted(spreads, key=lambda name: spreads[name].median)
     if len(names) == 2 and not separated(*(spreads[name] for name in names)):
         return f"this machine cannot separate {names[0]} and {names[1]}: their runs overlap"
@@ -101,7 +101,7 @@ def order_verdict(spreads):
     for a, b in zip(names, names[1:]):
         chain += f" {'<' if separated(spreads[a], spreads[b]) else '~'} {b}"
     tail = " (~: this machine cannot separate them)" if "~" in chain else ""
-    return f"fastest to slowest: {chain}{tail}"
+    return f"{ends[0]} to {ends[1]}: {chain}{tail}"
 
 
 def ratio_verdict(a_name, a, b_name, b):

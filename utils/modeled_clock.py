@@ -51,14 +51,15 @@ class Costs:
 def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROWS, gpu=GPU,
               num_devices=NUM_DEVICES, element_bytes=ELEMENT_BYTES):
     """Costs of the course's MLP cut into `num_pieces` pieces by notebook 04's rule (utils.pipeline.stage_layers),
-    each piece on its own device of `num_devices` named `gpu` (utils.planner.cluster), the pipeline group's link."""
+    on `num_devices` devices named `gpu` (utils.planner.cluster), each a pipeline rank, piece j on device j % p;
+    the hand-offs on the pipeline group's link."""
     cluster = pl.cluster(gpu, num_devices)
     h, e = hidden_dim, element_bytes
     product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
     weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
     gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
     counts = [len(layers) for layers in stage_layers(num_layers, num_pieces)]
-    link = _pipeline_link(cluster, num_pieces if num_pieces <= num_devices else num_devices)
+    link = pl.group_links(cluster, pl.Config(pp=num_devices))["pp"][1]  # every device a pipeline rank
     where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16, on "
              f"{num_devices} {gpu} in {'one node' if num_devices <= cluster.devices_per_node else 'nodes'} "
              f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
@@ -66,10 +67,6 @@ def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROW
                  input_grad=tuple(n * (product + gelu_back) - product * (j == 0) for j, n in enumerate(counts)),
                  weight_grad=tuple(n * weight for n in counts),
                  hand_off=pl.message_seconds(rows * h * e, link), where=where)
-
-
-def _pipeline_link(cluster, pp):
-    return pl.group_links(cluster, pl.Config(pp=pp, dp=cluster.num_devices // pp))["pp"][1]
 
 
 def planner_costs(model, cluster, config):

@@ -380,8 +380,8 @@ def alone_and_together(events_by_stage, kind):
 def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_dim, num_layers, batch_size,
                      num_steps=2, warmup=1, seed=0, dtype=torch.float32, layouts=None):
     """{(schedule name, m): this stage's StepRecord of each timed step} for each schedule in `schedules`
-    ({name: schedule}) and each micro-batch count, after `warmup` untimed steps. Every step starts after a
-    barrier, so all stages start together; times are perf_counter seconds (one clock per machine).
+    ({name: schedule}) and each micro-batch count, after `warmup` untimed steps, the variants in turns (step 0 of
+    each, then step 1 of each, ...). Every step starts after a barrier, so all stages start together; times are perf_counter seconds (one clock per machine).
     `layouts` ({name: (num_virtual, split)}) gives a schedule v pieces per rank and records B and W apart."""
     layouts = layouts or {}
     for name in schedules:
@@ -392,15 +392,17 @@ def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_
             else:
                 check_virtual_sizes(num_layers, world_size, v, batch_size, m)
     batch = make_batch(batch_size, hidden_dim, seed, 0, dtype)
-    timelines = {}
-    for name, schedule in schedules.items():
+    stages = {}
+    for name in schedules:
         v, split = layouts.get(name, (None, False))
         stage = (build_stage(rank, world_size, hidden_dim, num_layers, seed, dtype) if v is None
                  else build_pieces(rank, world_size, v, hidden_dim, num_layers, seed, dtype))
-        opt = make_optimizer(stage.parameters(), "sgd")
-        for m in micro_batch_counts:
-            timelines[name, m] = []
-            for step in range(warmup + num_steps):
+        stages[name] = stage, make_optimizer(stage.parameters(), "sgd"), split
+    timelines = {(name, m): [] for name in schedules for m in micro_batch_counts}
+    for step in range(warmup + num_steps):  # the variants in turns (utils.bench): a change in load hits them alike
+        for name, schedule in schedules.items():
+            stage, opt, split = stages[name]
+            for m in micro_batch_counts:
                 dist.barrier()
                 with record_step(stage, split=split) as record:
                     schedule(stage, batch, m)
