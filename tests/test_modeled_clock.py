@@ -49,7 +49,7 @@ def test_costs_written_another_way_give_the_formula():
     """Equal F = B = W on every piece and free hand-offs, in seconds: the same shares as the slots."""
     for name in TABLES:
         orders, v = tables(name)
-        costs = mc.Costs((0.3,) * (P * v), (0.3,) * (P * v), (0.3,) * (P * v), 0.0, "equal")
+        costs = mc.Costs((0.3,) * (P * v), (0.3,) * (P * v), (0.3,) * (P * v), 0.0, "equal", "anywhere")
         assert mc.replay(orders, costs, v).idle_share == pytest.approx(pp.formula_idle_share(name, P, M, v))
 
 

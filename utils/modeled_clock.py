@@ -38,7 +38,12 @@ class Costs:
     input_grad: tuple  # B
     weight_grad: tuple  # W
     hand_off: float
-    where: str  # what is modeled, for labels
+    model: str  # what is modeled, for labels
+    cluster: str
+
+    @property
+    def where(self):
+        return f"{self.model} on {self.cluster}"
 
     def seconds(self, kind, piece, split):
         """One computation: F, B or W; a backward not split (`split` False) is B + W."""
@@ -60,13 +65,13 @@ def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROW
     gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
     counts = [len(layers) for layers in stage_layers(num_layers, num_pieces)]
     link = pl.group_links(cluster, pl.Config(pp=num_devices))["pp"][1]  # every device a pipeline rank
-    where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16, on "
-             f"{num_devices} {gpu} in {'one node' if num_devices <= cluster.devices_per_node else 'nodes'} "
-             f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+    nodes = "one node" if num_devices <= cluster.devices_per_node else f"nodes of {cluster.devices_per_node}"
+    where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16",
+             f"{num_devices} {gpu} in {nodes} ({'NVLink' if link == cluster.intra else 'InfiniBand'})")
     return Costs(forward=tuple(n * (product + gelu) for n in counts),
                  input_grad=tuple(n * (product + gelu_back) - product * (j == 0) for j, n in enumerate(counts)),
                  weight_grad=tuple(n * weight for n in counts),
-                 hand_off=pl.message_seconds(rows * h * e, link), where=where)
+                 hand_off=pl.message_seconds(rows * h * e, link), model=where[0], cluster=where[1])
 
 
 def planner_costs(model, cluster, config):
@@ -87,7 +92,7 @@ def planner_costs(model, cluster, config):
                  input_grad=tuple(n * lt.input_grad + out_b / 2 * end for n, end in zip(counts, last)),
                  weight_grad=tuple(n * lt.weight_grad + out_b / 2 * end for n, end in zip(counts, last)),
                  hand_off=pl.message_seconds(activations, pl.group_links(cluster, c)["pp"][1]),
-                 where=f"{model.name} on {cluster.num_devices} {cluster.gpu}, pp={c.pp}, v={c.v}")
+                 model=f"{model.name}, pp={c.pp}, v={c.v}", cluster=f"{cluster.num_devices} {cluster.gpu}")
 
 
 @dataclasses.dataclass

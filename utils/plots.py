@@ -102,6 +102,7 @@ def plot_pipeline_timelines(timelines, title):
     """timelines: {schedule name: events by stage}, each a utils.pipeline.Event (kind "F"/"B"/"W", micro-batch,
     start, end in seconds, piece). One Gantt chart per schedule: stages as rows, forwards blue, backwards
     orange (weight gradients green), labelled by micro-batch (and piece); the gaps are the idle time."""
+    from matplotlib.colors import to_rgba
     from matplotlib.patches import Rectangle
 
     fig, axes = _subplots(len(timelines), 1, figsize=(9, 1.2 + 0.6 * sum(len(t) for t in timelines.values())),
@@ -110,9 +111,10 @@ def plot_pipeline_timelines(timelines, title):
     for ax, (name, events_by_stage) in zip(axes[:, 0], timelines.items()):
         t0 = min(e.start for events in events_by_stage for e in events)
         for stage, events in enumerate(events_by_stage):
+            ax.barh([stage] * len(events), [(e.end - e.start) * 1e3 for e in events],
+                    left=[(e.start - t0) * 1e3 for e in events], edgecolor="white",
+                    color=[to_rgba(colors[e.kind], 1 / (1 + 0.6 * e.piece)) for e in events])
             for e in events:
-                ax.barh(stage, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=colors[e.kind],
-                        edgecolor="white", alpha=1 / (1 + 0.6 * e.piece))
                 ax.text((e.start + e.end - 2 * t0) / 2 * 1e3, stage, str(e.micro_batch), ha="center", va="center",
                         fontsize=7, color="white")
         ax.set_yticks(range(len(events_by_stage)), [f"stage {s}" for s in range(len(events_by_stage))])
@@ -128,13 +130,14 @@ def plot_pipeline_timelines(timelines, title):
 
 
 def plot_idle_shares(rows, title):
-    """rows: {schedule: {"formula": share, "exact slots": share, "measured": [share by rank]}}. Grouped bars per
-    schedule; the measured shares of each rank as dots over their bar (their mean)."""
+    """rows: {schedule: {label: share, or [share by rank]}}, the same labels in each row (e.g. "formula", "modeled",
+    "measured"). Grouped bars per schedule, in the labels' order; the shares of each rank as dots over their bar
+    (their mean)."""
     fig, ax = _subplots(figsize=(7, 3.2))
-    labels = ["formula", "exact slots", "measured"]
+    labels = list(next(iter(rows.values())))
     width = 0.8 / len(labels)
     for k, label in enumerate(labels):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
+        xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(rows))]
         values = [row[label] for row in rows.values()]
         means = [sum(v) / len(v) if isinstance(v, list) else v for v in values]
         ax.bar(xs, means, width, label=label)
