@@ -1,6 +1,7 @@
 """The modeled clock (utils/modeled_clock.py): the slots with equal costs, a wrong order's timeline, the planner's
 step time with the planner's costs. Pure Python, no ranks."""
 import pytest
+import torch
 
 from utils import modeled_clock as mc
 from utils import pipeline as pp
@@ -140,3 +141,29 @@ def test_the_replay_of_a_layout_equals_the_planners_step(schedule, v):
 def test_planner_costs_refuse_what_the_replay_does_not_play():
     with pytest.raises(ValueError, match="pure pipeline.*tp=2"):
         mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, tp=2))
+
+
+def zigzag(seq_len, n):
+    chunk = seq_len // (2 * n)
+    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * n - 1 - r) * chunk, (2 * n - r) * chunk)])
+            for r in range(n)]
+
+
+def test_the_ring_replay_shows_zigzag_balanced_and_contiguous_waiting_for_its_last_rank():
+    from utils import ring_attention as ra
+    from utils.checks.context_parallel import work_per_rank
+
+    seq_len = 1536
+    contiguous, zz = ra.chunk_positions(seq_len, 4), zigzag(seq_len, 4)
+    clocks = {name: mc.ring_replay(*mc.ring_attention_costs(positions, num_heads=4, num_kv_heads=4, head_dim=64))
+              for name, positions in (("contiguous", contiguous), ("zigzag", zz))}
+    assert clocks["zigzag"].busy == pytest.approx([clocks["zigzag"].busy[0]] * 4)
+    assert clocks["contiguous"].busy == sorted(clocks["contiguous"].busy) and clocks["contiguous"].idle[-1] < 0.01
+    work = work_per_rank(contiguous)
+    assert clocks["contiguous"].busy[-1] / clocks["contiguous"].busy[0] == pytest.approx(work[-1] / work[0], rel=0.05)
+
+
+def test_a_ring_with_nothing_to_compute_waits_for_its_hand_offs():
+    clock = mc.ring_replay([[0.0] * 3 for _ in range(3)], 2.0)
+    assert clock.step == 4.0 and clock.idle == [1.0, 1.0, 1.0]
+    assert mc.ring_replay([[1.0, 5.0], [1.0, 1.0]], 0.5).step == 6.0  # the ring ends with its slowest rank

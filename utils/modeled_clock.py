@@ -169,3 +169,53 @@ def _check_complete(orders, num_virtual, num_micro_batches):
                     raise ValueError(f"rank {r}, piece {r + chunk * p}, micro-batch {i}: ran F x{n['F']}, B x{n['B']}, "
                                      f"W x{n['W']}; each micro-batch needs one F and one backward (B, or B then W)")
 
+
+
+# ---------------------------------------------------------------- ring attention (notebook 09)
+
+def ring_attention_costs(positions, num_heads=32, num_kv_heads=8, head_dim=128, gpu=GPU, element_bytes=2):
+    """(seconds, hand_off) of a causal ring attention forward over len(positions) ranks (`positions[r]`: rank r's
+    global positions, as utils.ring_attention lays them out), one device of `gpu` each, in one node: seconds[r][t]
+    is what rank r computes at ring step t, its queries against rank (r - t) % N's keys, piece pair by piece pair
+    as ra.block_attention computes them (QK^T and AV, each through the roofline; none where the mask hides the
+    block); hand_off the time of one key/value block to the next rank. Default sizes: Llama 3 8B's attention (32
+    query heads, 8 key/value heads of 128), bf16."""
+    from utils import ring_attention as ra
+
+    n = len(positions)
+    cluster = pl.cluster(gpu, n)
+    link = pl.group_links(cluster, pl.Config(cp=n))["cp"][1]
+
+    def block(mine, theirs):
+        if not ra.visible(mine, theirs):
+            return 0.0
+        return sum(2 * pl.matmul_seconds(qb - qa, head_dim, kb - ka, cluster, batch=num_heads,
+                                          element_bytes=element_bytes)
+                   for (qa, qb), (ka, kb) in ra.visible_pairs(mine, theirs, "causal"))
+
+    seconds = [[block(positions[r], positions[(r - t) % n]) for t in range(n)] for r in range(n)]
+    kv_bytes = 2 * len(positions[0]) * num_kv_heads * head_dim * element_bytes
+    return seconds, pl.message_seconds(kv_bytes, link)
+
+
+def ring_replay(seconds, hand_off):
+    """A ring's steps on the modeled clock, as utils.ring_attention.ring_attention_forward runs them: at step t
+    each rank posts the send of the block it holds to rank + 1 and the receive of the next, computes
+    seconds[r][t], and waits for both; a transfer ends `hand_off` after both its ends have posted it. Returns a
+    Clock (events: one "F" per step with its computation, micro_batch = the step)."""
+    n = len(seconds)
+    start, events, sends = [0.0] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    for t in range(n):
+        computed = [start[r] + seconds[r][t] for r in range(n)]
+        for r in range(n):
+            if seconds[r][t]:
+                events[r].append(Event("F", t, start[r], computed[r]))
+        if t == n - 1:
+            start = computed
+            break
+        sent = [max(start[r], start[(r + 1) % n]) + hand_off for r in range(n)]  # r to r + 1
+        for r in range(n):
+            sends[r].append((sent[r] - hand_off, sent[r]))
+        start = [max(computed[r], sent[r], sent[(r - 1) % n]) for r in range(n)]
+    step = max(start)
+    return Clock(events, sends, step, [sum(row) for row in seconds])
