@@ -19,13 +19,18 @@ GIB = 2**30
 # ---------------------------------------------------------------- GPUs and networks, each number with its source
 
 # Each record's GPU as the planner's device (utils/planner/describe.py holds the constants and their sources) and
-# what differs from it: memory; torchtitan's Grand Teton H100s have 96 GB of HBM (its docs take the SXM peak for
-# MFU); the H800 is an H100 whose NVLink is cut to 400 GB/s both ways (DeepSeek-V3, section 3.1: 160 GB/s reached).
+# what differs from it: memory; torchtitan's Grand Teton H100s (benchmarks/llama3_h100_202412_torchtitan.md,
+# 'Hardware' and footnote 2) have 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit, and their "actual peak
+# TFLOPs number is between SXM and NVL" (989.4 and 835.5 TFLOP/s dense BF16, NVIDIA's H100 datasheet): the midpoint
+# taken, FP8 twice it as on both (the benchmark's MFU is counted against the SXM's 989); the H800 is an H100 whose
+# NVLink is cut to 400 GB/s both ways (DeepSeek-V3, section 3.1: 160 GB/s reached).
+GRAND_TETON_PEAK = (989.4e12 + 835.5e12) / 2
 GPUS = {
     "A100-40GB": ("A100 80GB", {"memory_bytes": 40 * GIB}),
     "A100-80GB": ("A100 80GB", {}),
     "H100-80GB": ("H100 SXM", {}),
-    "H100-96GB": ("H100 SXM", {"memory_bytes": 96 * GIB}),
+    "H100-96GB": ("H100 SXM", {"memory_bytes": 96 * GIB, "hbm_bandwidth": 2.4e12, "peak_flops": GRAND_TETON_PEAK,
+                               "fp8_flops": 2 * GRAND_TETON_PEAK}),
     "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=3e-6, beta=0.8 * 200e9)}),
 }
 ALPHA_INTER = 10e-6  # seconds per message between nodes, as the planner's devices take it
@@ -69,6 +74,10 @@ class Layout:
     virtual_stages: int | None = 1  # pieces per pipeline rank: > 1 is interleaved 1F1B
     stage_layers: tuple | None = None  # layers of each pipeline stage, where the source gives an uneven split
     float8: bool = False  # matrix products in float8 (torchtitan's Float8, DeepSeek-V3's FP8)
+    sequence_parallel: bool = True  # False: Megatron-LM before Korthikanti et al. 2022, and the frameworks built on it
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with the products (AsyncTP, TE's userbuffers)
+    prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer's weights during this one's compute
+    distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,16 +201,17 @@ def planner_cluster(run, with_missing=False):
 
 
 def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stages, with_missing=False):
-    """The planner's Config; an uneven split of layers other than the planner's own rule, and float8, are what the
-    planner cannot take (listed with with_missing=True)."""
+    """The planner's Config; an uneven split of layers other than the planner's own rule is what the planner
+    cannot take (listed with with_missing=True)."""
     interleaved = {"schedule": "interleaved", "v": virtual_stages} if virtual_stages and virtual_stages > 1 else {}
     config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                       micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage, **interleaved)
+                       micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
+                       float8=layout.float8, sequence_parallel=layout.sequence_parallel,
+                       tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
+                       distribute_saved_activations=layout.distribute_saved_activations, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
-    if layout.float8:
-        missing.append("float8")
     return (config, missing) if with_missing else config
 
 
@@ -371,7 +381,7 @@ def _narayanan_table1():
                                       "images/cases_april2021.png, commit 50a4b5fa02)",
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
-                       virtual_stages=None),
+                       virtual_stages=None, sequence_parallel=False),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
@@ -401,7 +411,8 @@ def _narayanan_table2():
                         f"({TABLE2_IMAGE})",
                         shapes[model], "A100-80GB", gpus, SELENE,
                         Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
-                               recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None),
+                               recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None,
+                               sequence_parallel=False, prefetch=scheme != "ZeRO-3"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",)))
@@ -409,7 +420,8 @@ def _narayanan_table2():
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
                     shapes["529.6B"], "A100-80GB", 560, SELENE,
-                    Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3),
+                    Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3,
+                           prefetch=False),
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",)))
@@ -452,7 +464,8 @@ def _mt_nlg():
               "280 NVIDIA A100 GPUs, with 8-way tensor-slicing within a node and 35-way pipeline parallelism'")
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
-                Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=None),
+                Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
+                       sequence_parallel=False),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
@@ -523,9 +536,9 @@ def _torchtitan():
                         memory_bytes=gib * GIB, assumptions=common + extra))
 
     # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16, no torch.compile
-    add(1, "FSDP 8", "8B", 8, Layout(dp=8, global_batch=16, micro_batch_size=2, recompute="selective",
+    add(1, "FSDP 8", "8B", 8, Layout(dp=8, global_batch=16, micro_batch_size=2, recompute="selective_op",
                                      zero_stage=3), 5762, 82.4)
-    add(3, "FSDP 128", "8B", 128, Layout(dp=128, global_batch=256, micro_batch_size=2, recompute="selective",
+    add(3, "FSDP 128", "8B", 128, Layout(dp=128, global_batch=256, micro_batch_size=2, recompute="selective_op",
                                          zero_stage=3), 5605, 67.0)
     # Table 2: FSDP + CP, torch.compile + Float8, local batch 1, full recomputation
     for dp, cp, seq, tps, gib in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
@@ -535,7 +548,7 @@ def _torchtitan():
     # Table 4: FSDP 32 x TP 8, local batch 16, full recomputation, torch.compile + Float8 (AsyncTP overlaps TP)
     for label, tps, gib in (("2D", 829, 71.9), ("2D + AsyncTP", 876, 67.6)):
         add(4, label, "70B", 256, Layout(dp=32, tp=8, global_batch=512, micro_batch_size=16, recompute="full",
-                                         zero_stage=3, float8=True), tps, gib)
+                                         zero_stage=3, float8=True, tp_overlap="AsyncTP" in label), tps, gib)
     # Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, full recomputation, torch.compile + Float8 + AsyncTP
     for label, v, tps, gib in (("1F1B", 1, 100, 82.5), ("Interleaved 1F1B", 2, 128, 72.7)):
         add(5, label, "405B", 512, Layout(dp=8, tp=8, pp=8, global_batch=256, micro_batch_size=4, recompute="full",
@@ -555,7 +568,8 @@ def _torchtitan():
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), llama3(size),
                         "A100-80GB", 64, 200,
-                        Layout(dp=64, global_batch=64, micro_batch_size=1, recompute=recompute, zero_stage=3),
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3,
+                               recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
                                      "described: 200 Gb/s per GPU assumed.", common[1])))
@@ -587,7 +601,8 @@ def _others():
     neox = Run("gpt-neox 20B", "Black et al. 2022, 'GPT-NeoX-20B' (arXiv 2204.06745), section 3; EleutherAI/gpt-neox "
                "configs/20B.yml ('as it was trained on 96x 40GB A100')",
                Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
-               Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1),
+               Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1,
+                      sequence_parallel=False),
                None,
                assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
                             "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
@@ -596,6 +611,7 @@ def _others():
                 "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
                 Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B"), "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
+                       sequence_parallel=False,
                        stage_layers=(5,) + (6,) * 10 + (5,)),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
@@ -608,7 +624,8 @@ def _others():
               "and opt_job_constants.py (row '175b')",
               Shape(96, 12288, 96, 4 * 12288, 50272, 2048, mlp="relu", tied=True, name="OPT-175B"),
               "A100-80GB", 992, 200,
-              Layout(dp=124, tp=8, global_batch=992, micro_batch_size=8, recompute="full", zero_stage=2), None,
+              Layout(dp=124, tp=8, global_batch=992, micro_batch_size=8, recompute="full", zero_stage=2,
+                     sequence_parallel=False, distribute_saved_activations=True), None,
               assumptions=("The layout as metaseq's launcher sets it (opt_baselines.py): --batch-size (2M tokens // "
                            "124 replicas) // 2048 = 8 sequences, --update-freq 1, so 992 a step; "
                            "--checkpoint-activations; FSDP with --no-reshard-after-forward (ZeRO-2).",
