@@ -78,6 +78,7 @@ class Layout:
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the products (AsyncTP, TE's userbuffers)
     prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer's weights during this one's compute
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
+    pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,8 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
-                       distribute_saved_activations=layout.distribute_saved_activations, **interleaved)
+                       distribute_saved_activations=layout.distribute_saved_activations,
+                       pp_scatter_gather=layout.pp_scatter_gather, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -221,7 +223,7 @@ def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE
         return (value,) if value is not None else tuple(choices)
     return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
             for r in stated(layout.recompute, recomputes) for z in stated(layout.zero_stage, zero_stages)
-            for v in stated(layout.virtual_stages, (1, 2))]
+            for v in stated(layout.virtual_stages, (1, 2, 4))]
 
 
 def lacking_fields(run):
@@ -465,7 +467,7 @@ def _mt_nlg():
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
-                       sequence_parallel=False),
+                       sequence_parallel=False, pp_scatter_gather=False),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
@@ -602,7 +604,7 @@ def _others():
                "configs/20B.yml ('as it was trained on 96x 40GB A100')",
                Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
                Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1,
-                      sequence_parallel=False),
+                      sequence_parallel=False, pp_scatter_gather=False),
                None,
                assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
                             "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
@@ -611,7 +613,7 @@ def _others():
                 "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
                 Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B"), "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
-                       sequence_parallel=False,
+                       sequence_parallel=False, pp_scatter_gather=False,
                        stage_layers=(5,) + (6,) * 10 + (5,)),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",

@@ -276,6 +276,9 @@ class Config:
     sequence_parallel: bool = True  # False: Megatron-LM before Korthikanti et al. 2022 (norms, dropout, residuals
     #                                 on every tensor-parallel rank in full; an all-reduce per column/row pair)
     prefetch: bool = True  # ZeRO-3/FSDP gathers a layer's weights beside the previous one's compute; False: on demand
+    pp_scatter_gather: bool = True  # without sequence parallel, each tensor-parallel rank sends 1/tp of the
+    #                                 activations to the next stage, gathered there over NVLink (Narayanan et al.
+    #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
     distribute_saved_activations: bool = False  # without sequence parallel, full recomputation's saved layer inputs
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)

@@ -14,7 +14,8 @@ than that computation is exposed.
         exposed.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
         (notebook 10), exposed.
-    pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04).
+    pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04); M
+        from every tensor-parallel rank without sequence parallel and Config.pp_scatter_gather.
     dp  FSDP (ZeRO-3), per micro-batch and layer: an all-gather forward, prefetched beside the previous layer's
         forward; an all-gather and a reduce-scatter backward, beside the layer's backward; the first gather and the
         last reduce-scatter exposed. ZeRO-2: the reduce-scatter per micro-batch (its gradients are sharded, so each
@@ -120,7 +121,8 @@ def _step_seconds(model, cluster, config, global_batch, m):
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
         return layers * max(0.0, comm - beside)
 
-    pp_send = on("pp", "send", activations / t) if c.pp > 1 else 0.0
+    whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
+    pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
     counts = rank_layer_counts(model.num_layers, c.pp, c.v)
     fsdp = c.zero_stage == 3 and n > 1
