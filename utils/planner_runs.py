@@ -79,6 +79,7 @@ class Layout:
     prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer's weights during this one's compute
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
+    fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, **interleaved)
+                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -537,11 +538,16 @@ def _torchtitan():
                         llama3(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra))
 
-    # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16, no torch.compile
-    add(1, "FSDP 8", "8B", 8, Layout(dp=8, global_batch=16, micro_batch_size=2, recompute="selective_op",
-                                     zero_stage=3), 5762, 82.4)
-    add(3, "FSDP 128", "8B", 128, Layout(dp=128, global_batch=256, micro_batch_size=2, recompute="selective_op",
-                                         zero_stage=3), 5605, 67.0)
+    # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16 eager, then torch.compile, then Float8
+    for table, gpus, rows in ((1, 8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
+                              (3, 128, ((5605, 67.0), (6514, 62.0), (8380, 61.8)))):
+        for (tps, gib), label, fused, float8 in zip(rows, ("", " + torch.compile", " + torch.compile + Float8"),
+                                                    (False, True, True), (False, False, True)):
+            add(table, f"FSDP {gpus}{label}", "8B", gpus,
+                Layout(dp=gpus, global_batch=2 * gpus, micro_batch_size=2, recompute="selective_op", zero_stage=3,
+                       fused=fused, float8=float8), tps, gib,
+                extra=("Selective recomputation is torchtitan's 'op' policy (its train_configs at 9dec370: "
+                       "selective_ac_option 'op'): the outputs of every other matrix product are kept.",))
     # Table 2: FSDP + CP, torch.compile + Float8, local batch 1, full recomputation
     for dp, cp, seq, tps, gib in ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
                                   (1, 8, 262144, 548, 84.5)):
@@ -574,7 +580,8 @@ def _torchtitan():
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
-                                     "described: 200 Gb/s per GPU assumed.", common[1])))
+                                     "described: 200 Gb/s per GPU assumed.", common[1],
+                                     "Whether torch.compile was on is not said: fused element-wise work assumed.")))
     return runs
 
 

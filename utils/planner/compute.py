@@ -11,7 +11,8 @@ with the device (describe.py): e_max from cuBLAS's published large-size throughp
 size of a kernel launch and one wave of tiles on a small product), not a fit.
 
 Element-wise work (norms, activations, residuals, dropout, softmax) is memory-bound: forward, it moves
-ELEMENTWISE_TRAFFIC times the bytes a layer keeps for backward; backward, twice that.
+ELEMENTWISE_TRAFFIC times the bytes a layer keeps for backward (ELEMENTWISE_TRAFFIC_EAGER unfused); backward,
+twice that.
 
 `matmul_seconds` is the primitive a replay of recorded steps uses (issue 42): one computation on a device.
 """
@@ -26,6 +27,13 @@ from utils.planner.memory import layer_activation_bytes
 # read at least once, and norms, residual adds and casts move more than they keep; 3, fitted with the A100's
 # efficiency to Narayanan et al. 2021 Table 1's two smallest rows (describe.py).
 ELEMENTWISE_TRAFFIC = 3
+# The same in PyTorch eager (Config.fused False), counted kernel by kernel in torchtitan's Llama layer
+# (torchtitan/models/llama/model.py at 9dec370), bytes per token forward: each RMSNorm 36 per feature (the cast to
+# fp32, square, mean, scale, cast back, weight: 2+4, 4+4, 4, 4+4, 4+2, 2+2), rotary 20 per feature of q and k,
+# repeat_kv's copies of k and v 4 (kv + h), attention's output made contiguous 4 h, two residual adds 6 h each,
+# SwiGLU's silu and product 10 per ffn feature: 112 h + 24 kv + 10 f, 4.5 times the 139,264 bytes the layer keeps at
+# Llama 3 8B's shape (h 4096, kv 1024, f 14336).
+ELEMENTWISE_TRAFFIC_EAGER = 4.5
 
 
 # float8 (torchao's Float8Linear, dynamic tensorwise scaling; Micikevicius et al. 2022, "FP8 Formats for Deep
@@ -86,11 +94,11 @@ def layer_times(model, cluster, config):
     the ep group's tokens' top_k copies, times the capacity factor. Attention: b a/t heads, queries s/cp against
     keys s (the ring's cp blocks, or the gathered keys), head_dim d."""
     return _layer_times(model, cluster, config.tp, config.cp, config.ep, config.micro_batch_size,
-                        config.sequence_parallel, config.float8)
+                        config.sequence_parallel, config.float8, config.fused)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False):
+def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False, fused=True):
     h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
     kv = max(model.kv_dim // t, model.head_dim)
@@ -111,7 +119,8 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     kept = layer_activation_bytes(model, Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b,
                                                 sequence_parallel=sequence_parallel))
     flops = 2 * tokens / t * model.layer_matmul_params + 4 * b * model.seq_len ** 2 * h / (cp * t)
-    return LayerTimes(matmul, attention, memory_bound_seconds(ELEMENTWISE_TRAFFIC * kept, cluster), flops)
+    traffic = ELEMENTWISE_TRAFFIC if fused else ELEMENTWISE_TRAFFIC_EAGER
+    return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops)
 
 
 def output_layer_seconds(model, cluster, config):

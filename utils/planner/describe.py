@@ -282,6 +282,7 @@ class Config:
     distribute_saved_activations: bool = False  # without sequence parallel, full recomputation's saved layer inputs
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)
+    fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
 
 
 @functools.lru_cache(maxsize=1024)
