@@ -323,9 +323,8 @@ def check_config(model, cluster, global_batch, config):
         check_int(name, getattr(config, name))
     check_int("global_batch", global_batch)
     for name, value, allowed in (("recompute", config.recompute, RECOMPUTE + RECOMPUTE_OTHER),
-                                 ("zero_stage", config.zero_stage,
-                                 ZERO_STAGES), ("schedule", config.schedule, SCHEDULES),
-                                 ("cp_mode", config.cp_mode, CP_MODES)):
+                                 ("zero_stage", config.zero_stage, ZERO_STAGES),
+                                 ("schedule", config.schedule, SCHEDULES), ("cp_mode", config.cp_mode, CP_MODES)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if config.float8 and not cluster.fp8_flops:

@@ -11,8 +11,9 @@ bytes (16-bit, dropout, a GELU MLP of 4h) are, per layer and element of s b:
                GELU's input and output (2 f = 8h at f = 4h), SwiGLU's two products and their product (3 f);
                with dropout a 1-byte mask h.
 With e bytes per element, s b ((6h + 2 kv_dim + 2 or 3 f) e + 2h masks + a s (e + (1 + e) dropout)); at e = 2,
-kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel with sequence parallel
-divides all of it by t (their Table 2); context parallel holds s / cp tokens.
+kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel
+with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
+context parallel holds s / cp tokens.
 """
 from utils.planner.describe import rank_layer_counts
 
@@ -66,9 +67,10 @@ def model_state_bytes(model, config, stage=0):
 
 def buffer_bytes(model, config, stage=0):
     """What a data-parallel scheme holds unsharded for a moment. FSDP (ZeRO-3): the unit being used and the one
-    prefetched, gathered (2 layers' weights; 1 without Config.prefetch), and one layer's unsharded gradients before their reduce-scatter; the
-    largest unit is a layer or, on the first and last rank, the embedding or the output layer. ZeRO-2: one reduce
-    bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients already."""
+    prefetched, gathered (2 layers' weights; 1 without Config.prefetch), and one layer's unsharded gradients before
+    their reduce-scatter; the largest unit is a layer or, on the first and last rank, the embedding or the output
+    layer. ZeRO-2: one reduce bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients
+    already."""
     layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
