@@ -115,6 +115,10 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     matmul = sum(matmul_seconds(*s, cluster, element_bytes=e, float8=f8) for s in shapes) + experts
     heads, d, blocks = b * model.num_heads // t, model.head_dim, cp
     block = model.seq_len // cp
+    # Known limit: flash attention never writes the s x s scores, yet the roofline's memory term counts them; it
+    # stands in for attention kernels' lower efficiency (FlashAttention-2 reaches about 35% of an H100's peak), and
+    # timing flash attention by its FLOPs alone instead puts torchtitan's long-sequence rows 1.3-1.9x off
+    # (utils/planner_runs.py, the CP rows' disagreement). A measured attention efficiency would replace both.
     attention = 2 * matmul_seconds(block, d, block, cluster, batch=heads * blocks, element_bytes=e)
     kept = layer_activation_bytes(model, Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b,
                                                 sequence_parallel=sequence_parallel))
