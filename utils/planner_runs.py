@@ -80,6 +80,7 @@ class Layout:
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
+    zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +220,10 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
     return (config, missing) if with_missing else config
 
 
-def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE, zero_stages=(0, 1, 2, 3)):
-    """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated."""
+def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE, zero_stages=None):
+    """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated (ZeRO
+    stages: those its framework offers, layout.zero_stages)."""
+    zero_stages = layout.zero_stages if zero_stages is None else zero_stages
     def stated(value, choices):
         return (value,) if value is not None else tuple(choices)
     return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
@@ -500,7 +503,7 @@ def _mt_nlg():
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
-                       sequence_parallel=False, pp_scatter_gather=False),
+                       sequence_parallel=False, pp_scatter_gather=False, zero_stages=(0, 1)),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
@@ -508,8 +511,9 @@ def _mt_nlg():
                              "stage not printed.",
                              "DeepSpeed's pipeline engine (section 2.2: 'DeepSpeed and Megatron'): plain 1F1B, no "
                              "interleaving, each stage's output sent whole by every tensor-parallel rank "
-                             "(deepspeed/runtime/pipe/engine.py sends the tensors the stage returns); no sequence "
-                             "parallelism (2021)."),
+                             "(deepspeed/runtime/pipe/engine.py sends the tensors the stage returns), which takes "
+                             "ZeRO 0 or 1 ('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism', its "
+                             "assertion); no sequence parallelism (2021)."),
                 disagreement=("Ran 1.24-1.29x slower than the planner predicts for its split, with DeepSpeed's "
                               "pipeline engine modelled (1F1B without interleaving, whole activations sent by every "
                               "tensor-parallel rank); the paper gives no breakdown of the rest, and the planner has "
@@ -651,17 +655,19 @@ def _megatron_core_h100():
     return [Run(f"megatron24 {name}", f"NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability', "
                 f"images/model_table.png, row {name}",
                 gpt(name, heads, dim, layers, seq_len=4096, vocab_size=131072, gpt3=False), "H100-80GB", gpus, 400,
-                Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None),
+                Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None, zero_stages=(0, 1)),
                 tflops, flops="megatron_model",
                 assumptions=("GPT with a 4h GELU MLP and tied embeddings (Megatron's defaults; the README names "
                              "neither).", "Micro-batch, recomputation, optimizer sharding and interleaving not "
                              "printed; data-, tensor- and pipeline-parallel communication overlapped (the README).",
                              "400 Gb/s per GPU between nodes assumed (a DGX H100's eight ConnectX-7).",
+                             "Megatron-LM at that commit shards data-parallel state only with its distributed "
+                             "optimizer (--use-distributed-optimizer, ZeRO-1; FSDP came later): ZeRO 0 or 1.",
                              "The README's tensor-parallel overlap is not given to the planner: its tp_overlap hides "
                              "every collective behind the products entirely (1.2-1.3x the measured throughput at TP "
                              "8), where Transformer Engine's overlap hides part of them; exposed is the nearer "
                              "bound."),
-                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.17x slower than the "
+                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.16x slower than the "
                               "roofline's efficiency curve allows: at 2048 the products reach less of the peak "
                               "than the stated curve (compute.py) gives." if name == "1.7B" else ""))
             for name, heads, dim, layers, tp, pp, dp, gpus, batch, tflops in rows]
