@@ -102,6 +102,48 @@ def test_activations_of_a_llama_layer():
         pl.layer_activation_bytes(llama, config)  # flash attention keeps no scores anyway
 
 
+def test_activations_without_sequence_parallel_are_korthikantis_table_2():
+    # s = 4, b = 3, h = 16, a = 4, t = 2: sbh (10 + 24/t + 5as/ht) = 192 (10 + 12 + 2.5); full: the input whole
+    config = pl.Config(dp=1, tp=2, pp=2, cp=2, micro_batch_size=3, sequence_parallel=False)
+    assert pl.layer_activation_bytes(GPT_TINY, config) == 192 * (10 + 24 / 2 + 5 / 2)
+    assert pl.layer_activation_bytes(GPT_TINY, dataclasses.replace(config, recompute="full")) == 192 * 2
+    distributed = dataclasses.replace(config, recompute="full", distribute_saved_activations=True)
+    assert pl.layer_activation_bytes(GPT_TINY, distributed) == 192 * 2 / 2  # Megatron's distributed checkpoints
+
+
+def test_torchtitans_selective_op_keeps_every_other_product():
+    # wq's h, wv's kv, w1's f, w2's h and attention's h, with the layer's input h: 4h + kv + f per token
+    llama = pl.Model(num_layers=4, dim=64, num_heads=8, ffn_dim=96, seq_len=32, vocab_size=10, num_kv_heads=2,
+                     ffn_matrices=3)
+    config = pl.Config(tp=2, micro_batch_size=2, recompute="selective_op")
+    assert pl.layer_activation_bytes(llama, config) == 32 * 2 * (4 * 64 + 16 + 96) * 2 / 2
+    assert pl.estimate(llama, pl.cluster("H100 SXM", 8), 16, dataclasses.replace(config, dp=4))["fits"]
+
+
+def test_float8_products_run_at_the_fp8_peak_with_their_casts():
+    h100 = pl.cluster("H100 SXM", 8)
+    bf16 = pl.matmul_seconds(8192, 8192, 8192, h100)
+    fp8 = pl.matmul_seconds(8192, 8192, 8192, h100, float8=True)
+    cast = 2 * 8192 ** 2 * 5 / h100.hbm_bandwidth  # both operands: amax read, read and 1-byte write
+    assert math.isclose(fp8, (bf16 - h100.kernel_seconds) / 2 + cast + h100.kernel_seconds, rel_tol=1e-4)
+    with pytest.raises(ValueError, match="float8 needs a device with float8 tensor cores"):
+        pl.estimate(LLAMA2_7B, pl.cluster("A100 80GB", 8), 8, pl.Config(dp=8, float8=True))
+
+
+def test_the_runs_frameworks_cost_what_they_do():
+    cluster = pl.cluster("A100 80GB", 64)
+    fsdp = pl.Config(dp=64, zero_stage=3, recompute="full")
+    prefetched, on_demand = (pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(fsdp, prefetch=p))
+                             for p in (True, False))
+    assert on_demand["dp_s"] > prefetched["dp_s"] and on_demand["memory_gb"] < prefetched["memory_gb"]
+    eager = pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(fsdp, fused=False))
+    assert eager["compute_s"] > prefetched["compute_s"]  # unfused element-wise kernels move more bytes
+    pipeline = pl.Config(dp=8, tp=4, pp=2, micro_batch_size=1, sequence_parallel=False)
+    sends = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(pipeline, pp_scatter_gather=g))["pp_s"]
+             for g in (True, False)]
+    assert sends[1] > 3 * sends[0]  # DeepSpeed's pipeline: every tensor-parallel rank sends the whole tensor
+
+
 def test_interleaving_keeps_korthikantis_extra_share_and_the_last_stage_its_logits():
     model = dataclasses.replace(TINY, num_layers=16)
     one = pl.Config(pp=4, dp=2)

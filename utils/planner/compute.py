@@ -11,7 +11,8 @@ with the device (describe.py): e_max from cuBLAS's published large-size throughp
 size of a kernel launch and one wave of tiles on a small product), not a fit.
 
 Element-wise work (norms, activations, residuals, dropout, softmax) is memory-bound: forward, it moves
-ELEMENTWISE_TRAFFIC times the bytes a layer keeps for backward; backward, twice that.
+ELEMENTWISE_TRAFFIC times the bytes a layer keeps for backward (ELEMENTWISE_TRAFFIC_EAGER unfused); backward,
+twice that.
 
 `matmul_seconds` is the primitive a replay of recorded steps uses (issue 42): one computation on a device.
 """
@@ -26,17 +27,35 @@ from utils.planner.memory import layer_activation_bytes
 # read at least once, and norms, residual adds and casts move more than they keep; 3, fitted with the A100's
 # efficiency to Narayanan et al. 2021 Table 1's two smallest rows (describe.py).
 ELEMENTWISE_TRAFFIC = 3
+# The same in PyTorch eager (Config.fused False), counted kernel by kernel in torchtitan's Llama layer
+# (torchtitan/models/llama/model.py at 9dec370), bytes per token forward: each RMSNorm 36 per feature (the cast to
+# fp32, square, mean, scale, cast back, weight: 2+4, 4+4, 4, 4+4, 4+2, 2+2), rotary 20 per feature of q and k,
+# repeat_kv's copies of k and v 4 (kv + h), attention's output made contiguous 4 h, two residual adds 6 h each,
+# SwiGLU's silu and product 10 per ffn feature: 112 h + 24 kv + 10 f, 4.5 times the 139,264 bytes the layer keeps at
+# Llama 3 8B's shape (h 4096, kv 1024, f 14336).
+ELEMENTWISE_TRAFFIC_EAGER = 4.5
 
 
-def matmul_seconds(m, k, n, cluster, batch=1, element_bytes=2):
+# float8 (torchao's Float8Linear, dynamic tensorwise scaling; Micikevicius et al. 2022, "FP8 Formats for Deep
+# Learning", section 4.3): before each product both 16-bit operands are read for their absolute maximum, then read
+# again and written scaled in 1 byte: 2 + 2 + 1 bytes moved per operand element.
+FLOAT8_CAST_BYTES = 5
+
+
+def matmul_seconds(m, k, n, cluster, batch=1, element_bytes=2, float8=False):
     """Seconds of `batch` products (m, k) x (k, n) on one device of `cluster` (the roofline above; with a fixed
-    cluster.mfu, their FLOPs at that share of peak)."""
+    cluster.mfu, their FLOPs at that share of peak). float8: at the device's float8 peak, with the same efficiency,
+    1-byte operands, and the casts of both operands (FLOAT8_CAST_BYTES per element) before it."""
     flops = 2 * batch * m * k * n
     if cluster.mfu is not None:
         return flops / (cluster.peak_flops * cluster.mfu)
-    compute = flops / (cluster.peak_flops * cluster.matmul_efficiency)
+    peak, cast = cluster.peak_flops, 0.0
+    if float8:
+        peak, element_bytes = cluster.fp8_flops, 1
+        cast = batch * (m * k + k * n) * FLOAT8_CAST_BYTES / cluster.hbm_bandwidth
+    compute = flops / (peak * cluster.matmul_efficiency)
     memory = batch * (m * k + k * n + m * n) * element_bytes / cluster.hbm_bandwidth
-    return max(compute, memory) + cluster.kernel_seconds
+    return max(compute, memory) + cast + cluster.kernel_seconds
 
 
 def memory_bound_seconds(nbytes, cluster):
@@ -74,12 +93,13 @@ def layer_times(model, cluster, config):
     (f/t, h). A MoE layer: the router on the rank's T/t tokens, then each of its E/ep experts on an even share of
     the ep group's tokens' top_k copies, times the capacity factor. Attention: b a/t heads, queries s/cp against
     keys s (the ring's cp blocks, or the gathered keys), head_dim d."""
-    return _layer_times(model, cluster, config.tp, config.cp, config.ep, config.micro_batch_size)
+    return _layer_times(model, cluster, config.tp, config.cp, config.ep, config.micro_batch_size,
+                        config.sequence_parallel, config.float8, config.fused)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_times(model, cluster, tp, cp, ep, b):
-    h, t, e = model.dim, tp, model.activation_bytes
+def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False, fused=True):
+    h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
     kv = max(model.kv_dim // t, model.head_dim)
     shapes = [(tokens, h, h // t), (tokens, h, kv), (tokens, h, kv), (tokens, h // t, h)]
@@ -87,21 +107,24 @@ def _layer_times(model, cluster, tp, cp, ep, b):
         local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
         per_expert = [(local, h, model.ffn_dim)] * (model.ffn_matrices - 1) + [(local, model.ffn_dim, h)]
         shapes.append((tokens // t, h, model.num_experts))
-        experts = sum(matmul_seconds(*s, cluster, batch=model.num_experts // ep, element_bytes=e) for s in per_expert)
+        experts = sum(matmul_seconds(*s, cluster, batch=model.num_experts // ep, element_bytes=e, float8=f8)
+                      for s in per_expert)
     else:
         shapes += [(tokens, h, model.ffn_dim // t)] * (model.ffn_matrices - 1) + [(tokens, model.ffn_dim // t, h)]
         experts = 0.0
-    matmul = sum(matmul_seconds(*s, cluster, element_bytes=e) for s in shapes) + experts
+    matmul = sum(matmul_seconds(*s, cluster, element_bytes=e, float8=f8) for s in shapes) + experts
     heads, d, blocks = b * model.num_heads // t, model.head_dim, cp
     block = model.seq_len // cp
+    # Known limit: flash attention never writes the s x s scores, yet the roofline's memory term counts them; it
+    # stands in for attention kernels' lower efficiency (FlashAttention-2 reaches about 35% of an H100's peak), and
+    # timing flash attention by its FLOPs alone instead puts torchtitan's long-sequence rows 1.3-1.9x off
+    # (utils/planner_runs.py, the CP rows' disagreement). A measured attention efficiency would replace both.
     attention = 2 * matmul_seconds(block, d, block, cluster, batch=heads * blocks, element_bytes=e)
-    kept = layer_activation_bytes(model, _config(tp, cp, ep, b))
+    kept = layer_activation_bytes(model, Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b,
+                                                sequence_parallel=sequence_parallel))
     flops = 2 * tokens / t * model.layer_matmul_params + 4 * b * model.seq_len ** 2 * h / (cp * t)
-    return LayerTimes(matmul, attention, memory_bound_seconds(ELEMENTWISE_TRAFFIC * kept, cluster), flops)
-
-
-def _config(tp, cp, ep, b):
-    return Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b)
+    traffic = ELEMENTWISE_TRAFFIC if fused else ELEMENTWISE_TRAFFIC_EAGER
+    return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops)
 
 
 def output_layer_seconds(model, cluster, config):

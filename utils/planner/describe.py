@@ -9,6 +9,9 @@ import functools
 from utils.sizes import check_int, divide
 
 RECOMPUTE = ("none", "selective", "full")
+# torchtitan's selective "op" policy (torchtitan/parallelisms/parallelize_llama.py, _save_list at 9dec370): keeps the
+# outputs of every other matrix product and of attention, recomputes the rest; accepted, not searched
+RECOMPUTE_OTHER = ("selective_op",)
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("1F1B", "interleaved", "ZB-H1")
 CP_MODES = ("ring", "all_gather")
@@ -173,6 +176,7 @@ class GPU:
     devices_per_node: int = 8
     matmul_efficiency: float = 0.8  # the share of peak a large bf16 GEMM reaches
     kernel_seconds: float = 5e-6  # fixed cost of one kernel: launch, the first wave's ramp and the last's tail
+    fp8_flops: float = None  # dense float8 peak, per second; None: no float8 tensor cores
 
 
 # H100 SXM5 80GB (NVIDIA H100 datasheet, 2023): 989.4 TFLOP/s dense BF16 (1979 with 2:4 sparsity), HBM3 3.35 TB/s,
@@ -187,9 +191,10 @@ class GPU:
 # the same 0.75 on A100 brings Narayanan et al. 2021 Table 1's two smallest runs (1.7B and 3.6B parameters, where
 # little is communicated) within 5% of their published 137 and 138 TFLOP/s per GPU: a fit to those two rows,
 # together with compute.ELEMENTWISE_TRAFFIC; the other eight rows are predictions.
+# The same datasheet's dense FP8 peak, 1978.9 TFLOP/s (3958 with sparsity), twice BF16's; the A100 has no FP8.
 H100_SXM = GPU("H100 SXM", peak_flops=989.4e12, hbm_bandwidth=3.35e12, memory_bytes=81559 * MIB,
                intra=Link(alpha=3e-6, beta=0.8 * 450e9), inter=Link(alpha=10e-6, beta=0.9 * 50e9),
-               matmul_efficiency=0.75)
+               matmul_efficiency=0.75, fp8_flops=1978.9e12)
 A100_80GB = GPU("A100 80GB", peak_flops=312e12, hbm_bandwidth=2.039e12, memory_bytes=81920 * MIB,
                 intra=Link(alpha=3e-6, beta=0.8 * 300e9), inter=Link(alpha=10e-6, beta=0.9 * 25e9),
                 matmul_efficiency=0.75)
@@ -213,6 +218,7 @@ class Cluster:
     matmul_efficiency: float = H100_SXM.matmul_efficiency
     kernel_seconds: float = H100_SXM.kernel_seconds
     gpu: str = "custom"
+    fp8_flops: float = None  # dense float8 peak per device; None: none
 
     def __post_init__(self):
         check_int("num_devices", self.num_devices)
@@ -239,7 +245,8 @@ def cluster(gpu, num_devices, **changes):
     g = GPUS[gpu]
     fields = dict(num_devices=num_devices, devices_per_node=g.devices_per_node, memory_bytes=g.memory_bytes,
                   intra=g.intra, inter=g.inter, peak_flops=g.peak_flops, hbm_bandwidth=g.hbm_bandwidth,
-                  matmul_efficiency=g.matmul_efficiency, kernel_seconds=g.kernel_seconds, gpu=g.name)
+                  matmul_efficiency=g.matmul_efficiency, kernel_seconds=g.kernel_seconds, gpu=g.name,
+                  fp8_flops=g.fp8_flops)
     return Cluster(**(fields | changes))
 
 
@@ -255,7 +262,7 @@ def _check_positive(name, value, allow_zero=False):
 @dataclasses.dataclass(frozen=True)
 class Config:
     dp: int = 1
-    tp: int = 1  # always with sequence parallel outside the column/row pairs (Korthikanti et al.)
+    tp: int = 1  # with sequence parallel outside the column/row pairs (Korthikanti et al.) unless told otherwise
     pp: int = 1
     cp: int = 1
     ep: int = 1  # borrowed from the data axis dp * cp
@@ -266,6 +273,16 @@ class Config:
     v: int = 1  # pieces of the model per pipeline rank (interleaved)
     cp_mode: str = "ring"  # ring attention, or an all-gather of keys and values (Llama 3)
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the matrix products they feed
+    sequence_parallel: bool = True  # False: Megatron-LM before Korthikanti et al. 2022 (norms, dropout, residuals
+    #                                 on every tensor-parallel rank in full; an all-reduce per column/row pair)
+    prefetch: bool = True  # ZeRO-3/FSDP gathers a layer's weights beside the previous one's compute; False: on demand
+    pp_scatter_gather: bool = True  # without sequence parallel, each tensor-parallel rank sends 1/tp of the
+    #                                 activations to the next stage, gathered there over NVLink (Narayanan et al.
+    #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
+    distribute_saved_activations: bool = False  # without sequence parallel, full recomputation's saved layer inputs
+    #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
+    float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)
+    fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
 
 
 @functools.lru_cache(maxsize=1024)
@@ -305,11 +322,13 @@ def check_config(model, cluster, global_batch, config):
     for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "v"):
         check_int(name, getattr(config, name))
     check_int("global_batch", global_batch)
-    for name, value, allowed in (("recompute", config.recompute, RECOMPUTE), ("zero_stage", config.zero_stage,
-                                 ZERO_STAGES), ("schedule", config.schedule, SCHEDULES),
-                                 ("cp_mode", config.cp_mode, CP_MODES)):
+    for name, value, allowed in (("recompute", config.recompute, RECOMPUTE + RECOMPUTE_OTHER),
+                                 ("zero_stage", config.zero_stage, ZERO_STAGES),
+                                 ("schedule", config.schedule, SCHEDULES), ("cp_mode", config.cp_mode, CP_MODES)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if config.float8 and not cluster.fp8_flops:
+        raise ValueError(f"float8 needs a device with float8 tensor cores; {cluster.gpu} has none (fp8_flops None)")
     mesh = config.dp * config.tp * config.pp * config.cp
     if mesh != cluster.num_devices:
         raise ValueError(f"the mesh dp x tp x pp x cp = {config.dp} x {config.tp} x {config.pp} x {config.cp} = {mesh} "

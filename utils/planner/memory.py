@@ -11,8 +11,9 @@ bytes (16-bit, dropout, a GELU MLP of 4h) are, per layer and element of s b:
                GELU's input and output (2 f = 8h at f = 4h), SwiGLU's two products and their product (3 f);
                with dropout a 1-byte mask h.
 With e bytes per element, s b ((6h + 2 kv_dim + 2 or 3 f) e + 2h masks + a s (e + (1 + e) dropout)); at e = 2,
-kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel with sequence parallel
-divides all of it by t (their Table 2); context parallel holds s / cp tokens.
+kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel
+with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
+context parallel holds s / cp tokens.
 """
 from utils.planner.describe import rank_layer_counts
 
@@ -66,14 +67,15 @@ def model_state_bytes(model, config, stage=0):
 
 def buffer_bytes(model, config, stage=0):
     """What a data-parallel scheme holds unsharded for a moment. FSDP (ZeRO-3): the unit being used and the one
-    prefetched, gathered (2 layers' weights), and one layer's unsharded gradients before their reduce-scatter; the
-    largest unit is a layer or, on the first and last rank, the embedding or the output layer. ZeRO-2: one reduce
-    bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients already."""
+    prefetched, gathered (2 layers' weights; 1 without Config.prefetch), and one layer's unsharded gradients before
+    their reduce-scatter; the largest unit is a layer or, on the first and last rank, the embedding or the output
+    layer. ZeRO-2: one reduce bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients
+    already."""
     layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
         unit = max([layer] + [e / config.tp for e in ends])
-        return unit * (2 * model.param_bytes + model.grad_bytes)
+        return unit * ((1 + config.prefetch) * model.param_bytes + model.grad_bytes)  # no prefetch: one unit
     if config.zero_stage == 2 and config.dp * config.cp > 1:
         return min(max(BUCKET_ELEMENTS, 1e6 * config.dp * config.cp), stage_params(model, config, stage)[0]) * \
             model.grad_bytes
@@ -82,20 +84,27 @@ def buffer_bytes(model, config, stage=0):
 
 def layer_activation_bytes(model, config, recompute=None):
     """Bytes one layer keeps for backward, per micro-batch (the module docstring's count; s = seq_len / cp, b the
-    micro-batch, t = tp with sequence parallel; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s ones (what
-    flash attention keeps anyway); full, the layer's input only, s b h e / t."""
+    micro-batch, t = tp; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s
+    ones (what flash attention keeps anyway); selective_op (torchtitan's policy), the layer's input, the outputs of
+    every other matrix product (wq, wv, the MLP's first and last: the 1st, 3rd, 5th and 7th products of a SwiGLU
+    layer) and attention's output; full, the layer's input only, s b h e / t.
+    With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
+    QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
+    s b h (10 + 24 / t + 5 a s / h t) (Table 2)."""
     s, b, h, t, e = model.seq_len / config.cp, config.micro_batch_size, model.dim, config.tp, model.activation_bytes
+    whole = 1 if config.sequence_parallel else t  # the part sequence parallel splits is divided by t / whole
     recompute = recompute or config.recompute
     if recompute == "full":
-        return s * b * h * e / t
+        return s * b * h * e * (1 if config.distribute_saved_activations else whole) / t
     f = model.ffn_dim * (model.top_k * model.capacity_factor if model.moe else 1)  # a token's expert MLPs
+    if recompute == "selective_op":  # input h (split like the norms'), wq's h, wv's kv, w1's f, w2's h, attention h
+        return s * b * (h * whole + 3 * h + model.kv_dim + f) * e / t
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
-    elements = 6 * h + 2 * model.kv_dim + kept_by_mlp * f  # norms' inputs 2h, QKV's input, Q, K, V, wo's, MLP's input
-    masks = 2 * h * model.dropout  # 1 byte per element
-    scores = 0
+    unsplit = 4 * h * e + 2 * h * model.dropout  # norms' inputs, QKV's and the MLP's input; 1-byte dropout masks
+    split = (2 * h + 2 * model.kv_dim + kept_by_mlp * f) * e  # Q, K, V, wo's input, the MLP's ffn_dim-wide tensors
     if recompute == "none" and not model.flash_attention:
-        scores = model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
-    return s * b * (elements * e + masks + scores) / t
+        split += model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
+    return s * b * (unsplit * whole + split) / t
 
 
 def logits_bytes(model, config):

@@ -14,13 +14,15 @@ than that computation is exposed.
         exposed.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
         (notebook 10), exposed.
-    pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04).
+    pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04); M
+        from every tensor-parallel rank without sequence parallel and Config.pp_scatter_gather.
     dp  FSDP (ZeRO-3), per micro-batch and layer: an all-gather forward, prefetched beside the previous layer's
         forward; an all-gather and a reduce-scatter backward, beside the layer's backward; the first gather and the
         last reduce-scatter exposed. ZeRO-2: the reduce-scatter per micro-batch (its gradients are sharded, so each
         micro-batch's must leave before the next accumulates), ZeRO-0/1 once per step (all-reduce, reduce-scatter)
         beside the last micro-batch's backward, layer by layer; ZeRO-1/2's all-gather of the updated weights beside
-        the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather).
+        the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather). Config.prefetch
+        False: FSDP's gathers are issued when a layer starts, exposed; its reduce-scatters still overlap.
     bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
         idle_slots below that (utils.pipeline, notebook 11). F, B, W: the slowest stage's forward, input-gradient
         and weight-gradient times per micro-batch, their exposed communication included.
@@ -95,7 +97,8 @@ def _step_seconds(model, cluster, config, global_batch, m):
         cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
     a2a = on("ep", "all_to_all", tokens / t * model.top_k * model.dim * e * model.capacity_factor) if model.moe else 0
     ep_f = ep_b = 2 * a2a
-    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0}[c.recompute]
+    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
+                  "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
 
     # the data axis, per layer (experts on their own copies' group)
     n, _ = links["dp"]
@@ -118,7 +121,8 @@ def _step_seconds(model, cluster, config, global_batch, m):
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
         return layers * max(0.0, comm - beside)
 
-    pp_send = on("pp", "send", activations / t) if c.pp > 1 else 0.0
+    whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
+    pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
     counts = rank_layer_counts(model.num_layers, c.pp, c.v)
     fsdp = c.zero_stage == 3 and n > 1
@@ -129,8 +133,9 @@ def _step_seconds(model, cluster, config, global_batch, m):
         layers, last = counts[stage], stage == c.pp - 1
         part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
                 "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
-        dp_f = gather + hidden_behind(gather, lt.forward, layers - 1) if fsdp else 0.0
-        dp_b = hidden_behind(gather + reduce, backward_layer, layers) + reduce if fsdp else 0.0
+        dp_f = gather + hidden_behind(gather, lt.forward * c.prefetch, layers - 1) if fsdp else 0.0
+        dp_b = (hidden_behind(gather + reduce, backward_layer, layers) if c.prefetch else  # gathers on demand
+                layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
         if c.zero_stage == 2 and n > 1:
             dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
         part["dp"] = dp_f + dp_b
