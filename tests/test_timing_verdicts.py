@@ -35,9 +35,7 @@ def verdicts(nb):
     return found
 
 
-def with_verdicts():
-    return [path for path in sorted((ROOT / "solutions").glob("*.ipynb"))
-            if any(verdicts(nbformat.read(path, as_version=4)).values())]
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
 def cell_seconds(cell):
@@ -82,9 +80,11 @@ def disagreements(stored, loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", with_verdicts(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_no_verdict_flips_under_load(path):
     stored = nbformat.read(path, as_version=4)
+    if not any(verdicts(stored).values()):
+        pytest.skip("no timing verdicts in its stored run")
     assert not disagreements(stored, run_loaded(path))
 
 
