@@ -89,6 +89,9 @@ def test_a_loaded_run_agrees_when_it_says_the_same_or_cannot_separate():
     assert not bench.verdicts_agree(stored, "fastest to slowest: b < a < c")  # a flip
     assert not bench.verdicts_agree("this machine cannot separate a and b: their runs overlap",
                                     "fastest to slowest: a < b")  # an order the stored run could not see
+    assert bench.verdicts_contradict(stored, "fastest to slowest: b < a < c")
+    assert not bench.verdicts_contradict("this machine cannot separate a and b: their runs overlap",
+                                         "fastest to slowest: a < b")
 
 
 def ping_pong_main_and_samples(rank, world_size):

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from utils.bench import verdicts_agree
+from utils.bench import verdicts_agree, verdicts_contradict
 from utils.notebooks import ROOT, TIMING, retry_kernel_start
 
 VERDICT = re.compile(r"fastest to slowest: |cannot separate | / .+ = [\d.]+ \(runs allow ")
@@ -95,7 +95,9 @@ def main(argv):
         for i, cell in timing_cells(stored):
             print(f"{path.stem} cell {i}: {cell_seconds(cell)} s stored, {cell_seconds(loaded.cells[i])} s loaded")
             for a, b in zip(verdicts(stored)[i], verdicts(loaded)[i]):
-                print(f"  stored: {a}\n  loaded: {b}\n  {'agree' if verdicts_agree(a, b) else 'FLIPPED'}")
+                word = "agree" if verdicts_agree(a, b) else "FLIPPED" if verdicts_contradict(a, b) else \
+                    "DISAGREE: the loaded run separates what the stored one could not"
+                print(f"  stored: {a}\n  loaded: {b}\n  {word}")
         print(f"{path.stem}: {len(disagreements(stored, loaded))} disagreements")
 
 

@@ -145,6 +145,12 @@ def verdicts_agree(stored, loaded):
     return verdict_relations(loaded) <= verdict_relations(stored)
 
 
+def verdicts_contradict(stored, loaded):
+    """True when the two verdicts order some pair of variants the opposite ways: a flip, worse than an order
+    that only one of the runs could separate (which verdicts_agree also refuses)."""
+    return any((b, a) in verdict_relations(stored) for a, b in verdict_relations(loaded))
+
+
 # Two ways to turn a time into a link speed, side by side (notebook 01):
 #
 # - the nccl-tests convention: algorithmic bandwidth = S / t, with S the full tensor (the input of all_reduce
