@@ -67,3 +67,43 @@ def slowest_rank_main(rank, world_size):
 def test_on_ranks_a_run_takes_its_slowest_ranks_seconds():
     for samples in spawn(slowest_rank_main, 2):
         assert min(samples["a"]) >= 0.05 and len(samples["b"]) == 2
+
+
+def test_a_verdict_claims_the_pairs_its_order_separates():
+    assert bench.verdict_relations("fastest to slowest: fast < slow") == {("fast", "slow")}
+    assert bench.verdict_relations("2 ranks, 16 MB, fastest to slowest: all_gather < all_reduce ~ naive FSDP "
+                                   "(~: this machine cannot separate them)") == \
+        {("all_gather", "all_reduce"), ("all_gather", "naive FSDP")}
+    assert bench.verdict_relations("this machine cannot separate a and b: their runs overlap") == set()
+    assert bench.verdict_relations("fastest to slowest: a ~ b (~: this machine cannot separate them)") == set()
+
+
+def test_a_ratio_verdict_claims_the_faster_of_the_two():
+    a, b = bench.spread([3.0, 3.2, 3.5]), bench.spread([1.0, 1.1, 1.2])
+    assert bench.verdict_relations(bench.ratio_verdict("ranks", a, "one process", b)) == {("one process", "ranks")}
+    assert bench.verdict_relations("step time: " + bench.ratio_verdict("x", b, "y", a) + " (target: at most 1.5)") == \
+        {("step time: x", "y")}
+    assert bench.verdict_relations(bench.ratio_verdict("ring", bench.spread([1.0, 2.0]), "gloo", b)) == set()
+
+
+def test_a_loaded_run_agrees_when_it_says_the_same_or_cannot_separate():
+    stored = "fastest to slowest: a < b < c"
+    assert bench.verdicts_agree(stored, stored)
+    assert bench.verdicts_agree(stored, "fastest to slowest: a ~ b < c (~: this machine cannot separate them)")
+    assert bench.verdicts_agree(stored, "this machine cannot separate a and b: their runs overlap")
+    assert not bench.verdicts_agree(stored, "fastest to slowest: b < a < c")  # a flip
+    assert not bench.verdicts_agree("this machine cannot separate a and b: their runs overlap",
+                                    "fastest to slowest: a < b")  # an order the stored run could not see
+    assert bench.verdicts_contradict(stored, "fastest to slowest: b < a < c")
+    assert not bench.verdicts_contradict("this machine cannot separate a and b: their runs overlap",
+                                         "fastest to slowest: a < b")
+
+
+def ping_pong_main_and_samples(rank, world_size):
+    return bench.ping_pong_main(rank, world_size, [4, 64]), bench.ping_pong_samples(rank, world_size, [4], repeat=3)
+
+
+def test_ping_pong_gives_the_median_of_its_samples():
+    medians, samples = spawn(ping_pong_main_and_samples, 2)[0]
+    assert len(medians) == 2 and all(m > 0 for m in medians)
+    assert len(samples) == 1 and len(samples[0]) == 3

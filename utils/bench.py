@@ -3,6 +3,7 @@ only when the runs separate; bandwidths (by convention and as measured at the so
 Tests never assert on timings, only on verdicts from made-up samples."""
 import collections
 import contextlib
+import re
 import statistics
 import time
 
@@ -113,6 +114,43 @@ def ratio_verdict(a_name, a, b_name, b):
     return f"this machine cannot separate {a_name} and {b_name}: their runs overlap (ratio {low:.2f} to {high:.2f})"
 
 
+def verdict_relations(verdict):
+    """What a printed verdict claims, as a set of (faster, slower) pairs; empty when it claims no order. For
+    order_verdict's chains (`a < b ~ c < d`: a is faster than b, c and d; b and c than d) and ratio_verdict's
+    lines (`a / b = 0.53 ...`: a faster, since the ratio's range lies below 1; above 1, b faster)."""
+    if "cannot separate" in verdict and "fastest to slowest" not in verdict:
+        return set()
+    if "fastest to slowest: " in verdict:
+        parts = re.split(r" ([<~]) ", verdict.split("fastest to slowest: ", 1)[1].split(" (~:")[0])
+        names, signs = parts[0::2], parts[1::2]
+        groups, group = [], [names[0]]
+        for sign, name in zip(signs, names[1:]):
+            if sign == "<":
+                groups.append(group)
+                group = []
+            group.append(name)
+        groups.append(group)
+        return {(a, b) for i, faster in enumerate(groups) for slower in groups[i + 1:] for a in faster for b in slower}
+    ratio = re.search(r"(.+?) / (.+?) = [\d.]+ \(runs allow ([\d.]+) to ([\d.inf]+)\)", verdict.strip())
+    if ratio:
+        a, b, low = ratio.group(1), ratio.group(2), float(ratio.group(3))
+        return {(b, a)} if low >= 1 else {(a, b)}
+    return set()
+
+
+def verdicts_agree(stored, loaded):
+    """True when the verdict `loaded` claims no order that `stored` does not: it says the same, or that this
+    machine cannot separate (some of) the variants. A verdict that flips, or an order the stored run could not
+    see, is a spread test too loose for a loaded machine."""
+    return verdict_relations(loaded) <= verdict_relations(stored)
+
+
+def verdicts_contradict(stored, loaded):
+    """True when the two verdicts order some pair of variants the opposite ways: a flip, worse than an order
+    that only one of the runs could separate (which verdicts_agree also refuses)."""
+    return any((b, a) in verdict_relations(stored) for a, b in verdict_relations(loaded))
+
+
 # Two ways to turn a time into a link speed, side by side (notebook 01):
 #
 # - the nccl-tests convention: algorithmic bandwidth = S / t, with S the full tensor (the input of all_reduce
@@ -155,6 +193,11 @@ def bytes_on_the_wire(fn):
 def ping_pong_main(rank, world_size, sizes):
     """One-way seconds of a point-to-point message of each size in `sizes` (bytes), between ranks 0 and 1: they
     bounce it back and forth, and half a round trip is one send (notebook 01; 09 fits its alpha-beta model)."""
+    return [statistics.median(samples) for samples in ping_pong_samples(rank, world_size, sizes)]
+
+
+def ping_pong_samples(rank, world_size, sizes, repeat=5):
+    """[one-way seconds of each timed round trip] for each size of ping_pong_main, so that a spread can be shown."""
     times = []
     for size in sizes:
         x = torch.zeros(max(size // 4, 1))
@@ -167,7 +210,7 @@ def ping_pong_main(rank, world_size, sizes):
                 dist.recv(x, src=0)
                 dist.send(x, dst=0)
 
-        times.append(collective_seconds(round_trip, repeat=5) / 2)
+        times.append([seconds / 2 for seconds in interleaved_samples({"round trip": round_trip}, repeat)["round trip"]])
     return times
 
 

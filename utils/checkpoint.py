@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from utils import pytorch_reference
-from utils.bench import interleaved_seconds
+from utils.bench import interleaved_samples
 from utils.launch import under_torchrun
 from utils.model import loss_fn
 from utils.sharded_run import ShardedRun, check_run_sizes, dataset
@@ -164,7 +164,7 @@ def load_main(rank, world_size, student, directory, shapes):
 # ---------------------------------------------------------------- measurements
 
 def save_load_seconds_main(rank, world_size, sizes, student, ours, theirs, repeat=3):
-    """{"save", "load", "dcp.save", "dcp.load": median seconds, slowest rank} of the same sizes (one step in),
+    """{"save", "load", "dcp.save", "dcp.load": [seconds of each timed run, slowest rank]} of the same sizes (one step in),
     saved with save_checkpoint under `ours` and with dcp.save under `theirs`, each run to a new folder, and
     loaded back into the run on the same world size (ours: load_checkpoint, then ShardedRun.load_state; DCP's:
     dcp.load, then set_state_dict)."""
@@ -189,9 +189,9 @@ def save_load_seconds_main(rank, world_size, sizes, student, ours, theirs, repea
     def load():
         run.load_state(student.load_checkpoint(folder("ours", 0), shapes, rank, world_size))
 
-    seconds = interleaved_seconds({"save": save, "dcp.save": lambda: pytorch_reference.dcp_save(
+    seconds = interleaved_samples({"save": save, "dcp.save": lambda: pytorch_reference.dcp_save(
         folder("theirs", 1), model, optimizer)}, repeat=repeat)
-    seconds.update(interleaved_seconds({"load": load, "dcp.load": lambda: pytorch_reference.dcp_load(
+    seconds.update(interleaved_samples({"load": load, "dcp.load": lambda: pytorch_reference.dcp_load(
         folder("theirs", 0), model, optimizer, full=False)}, repeat=repeat))
     return seconds
 

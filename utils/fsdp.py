@@ -482,9 +482,9 @@ def bytes_per_step_main(rank, world_size, jobs, student, sizes):
 
 
 def step_time_and_peak_main(rank, world_size, named_jobs, student, sizes, repeat=3):
-    """{name: (median seconds per step, from the slowest rank; peak model state by group)} for each (name, Job):
+    """{name: ([seconds of each timed step, from the slowest rank], peak model state by group)} for each (name, Job):
     one step to create AdamW's state, one under a MemoryTracker, then `repeat` timed in turns."""
-    from utils.bench import interleaved_seconds
+    from utils.bench import interleaved_samples
 
     steps, peaks = {}, {}
     for name, job in named_jobs:
@@ -500,5 +500,5 @@ def step_time_and_peak_main(rank, world_size, named_jobs, student, sizes, repeat
         with MemoryTracker(lambda held=built.held: held, built.optimizer) as tracker:
             step()
         steps[name], peaks[name] = step, tracker.peak
-    seconds = interleaved_seconds(steps, repeat=repeat, warmup=0)
-    return {name: (seconds[name], peaks[name]) for name in steps}
+    samples = interleaved_samples(steps, repeat=repeat, warmup=0)
+    return {name: (samples[name], peaks[name]) for name in steps}

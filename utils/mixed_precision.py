@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from utils import fsdp, pytorch_reference
 from utils import pipeline as pp
-from utils.bench import interleaved_seconds
+from utils.bench import interleaved_samples
 from utils.memory import FP32, MIXED, MemoryTracker, Saved, unpack
 from utils.model import build_mlp, generator, local_batch, loss_fn, make_batch, step_batches, train
 
@@ -368,11 +368,11 @@ def model_state_peaks_main(rank, world_size, versions, sizes, FSDPLinear=None, a
 
 
 def step_seconds_main(rank, world_size, versions, sizes, FSDPLinear=None, all_gather_unit=None, repeat=3):
-    """{name: median seconds per step, from the slowest rank}, the versions timed in turns (utils.bench)."""
+    """{name: [seconds of each timed step, from the slowest rank]}, the versions timed in turns (utils.bench)."""
     batch = local_batch(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0, torch.float32), rank, world_size)
     built = build_versions(rank, world_size, versions, sizes, FSDPLinear, all_gather_unit)
     steps = {name: functools.partial(_step, b, batch) for name, b in built.items()}
-    return interleaved_seconds(steps, repeat=repeat, warmup=1)
+    return interleaved_samples(steps, repeat=repeat, warmup=1)
 
 
 # ---------------------------------------------------------------- recomputation in notebook 04's GPipe (section 5)

@@ -347,16 +347,17 @@ def _compare(got, want, label, tolerance):
 
 def check_mixed_precision_step(DynamicLossScaler, mixed_precision_step, hidden_dim, num_layers, batch_size,
                                num_steps, seed=0):
-    """fp32 exact, bf16 and fp16 (with the scaler) to LOW_PRECISION_TOLERANCE, against the same casts in one
-    process and against torch.autocast + GradScaler; an inf step skipped and the scale halved."""
+    """Against the same casts in one process: fp32 and fp16 (with the scaler) bit for bit, bf16 to
+    LOW_PRECISION_TOLERANCE; bf16 and fp16 against torch.autocast + GradScaler to LOW_PRECISION_TOLERANCE; an inf
+    step skipped and the scale halved."""
     sizes = Sizes(check_int("hidden_dim", hidden_dim), check_int("num_layers", num_layers),
                   check_int("batch_size", batch_size), check_int("num_steps", num_steps, 2), check_int("seed", seed, 0))
     with one_thread():
         _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes)
     print(f"mixed_precision_step: correct; {sizes.num_steps} SGD steps equal the reference with the same casts "
-          f"(fp32 exactly; bf16 and fp16 with a dynamic loss scaler to {LOW_PRECISION_TOLERANCE:g} relative) and "
-          f"torch.autocast('cpu') + torch.amp.GradScaler('cpu'); a step with an inf gradient is skipped and the "
-          f"scale halves")
+          f"(fp32 and fp16 with a dynamic loss scaler bit for bit, bf16 to {LOW_PRECISION_TOLERANCE:g} relative) "
+          f"and, in bf16 and fp16, torch.autocast('cpu') + torch.amp.GradScaler('cpu') to "
+          f"{LOW_PRECISION_TOLERANCE:g} relative; a step with an inf gradient is skipped and the scale halves")
 
 
 def _check_step_cases(DynamicLossScaler, mixed_precision_step, sizes):
