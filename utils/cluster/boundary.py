@@ -230,12 +230,13 @@ def report_all_reduce(result):
         size = entry["size"]
         print(f"all-reduce of S = {format_bytes(size)}:")
         for _, layout, measured, predicted, want, wire, link in (r for r in all_reduce_rows(result) if r[0] == size):
-            verdict = "" if layout == "inside" else (" within" if within(predicted, measured.median, PLANNER_TOLERANCE)
-                                                     else " NOT within") + f" {PLANNER_TOLERANCE:.0%}"
+            verdict = ("no target inside a node" if layout == "inside" else
+                       f"{'within' if within(predicted, measured.median, PLANNER_TOLERANCE) else 'NOT within'} "
+                       f"{PLANNER_TOLERANCE:.0%} of the median")
             print(f"  {NAMES[layout]:21s} {format_spread(measured):>24s}   planner {predicted * 1e3:5.1f} ms "
-                  f"({predicted / measured.median:.2f}x{verdict})")
-            print(f"  {'':21s} bytes: rank 0 sent {wire / want:.2f}x the planner's count; {link / size:.2f} S left "
-                  f"node 0")
+                  f"({predicted / measured.median:.2f}x the median, {predicted / measured.low:.2f}x the fastest run)")
+            print(f"  {'':21s} {verdict}; rank 0 sent {wire / want:.2f}x the planner's bytes; {link / size:.2f} S "
+                  f"left node 0")
         print("  " + order_verdict({NAMES[layout]: spread(s) for layout, s in entry["samples"].items()}))
 
 
