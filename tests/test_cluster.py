@@ -95,7 +95,7 @@ def test_off_linux_or_without_iproute2_the_message_says_what_is_missing(monkeypa
 
 def test_the_node_boundary_names_a_bad_size_before_building_anything(no_commands):
     for kwargs, name in (({"inside_sizes": [4]}, "inside_sizes"), ({"across_sizes": [2**20, 2.5]}, "across_sizes"),
-                         ({"all_reduce_sizes": [2**20, 0]}, "all_reduce_sizes"), ({"hidden_dim": 1023}, "hidden_dim"),
+                         ({"all_reduce_sizes": [2**20 + 2]}, "all_reduce_sizes"), ({"hidden_dim": 1023}, "hidden_dim"),
                          ({"repeat": 0}, "repeat")):
         with pytest.raises(ValueError, match=name):
             boundary.measure(**kwargs)

@@ -89,7 +89,7 @@ def boundary_main(rank, world_size, message_sizes, all_reduce_sizes, batch_size,
             for where in PAIRS}
     all_reduces = []
     for size in all_reduce_sizes:
-        x = torch.ones(size // 4)
+        x = torch.zeros(size // 4)  # zeros: summed again and again, they stay what they are
         calls = {layout: (lambda g=my_group(rank, layout, groups): dist.all_reduce(x, group=g)) for layout in LAYOUTS}
         all_reduces.append({"size": size, "samples": interleaved_samples(calls, repeat),
                             "wire": {layout: bytes_on_the_wire(call) for layout, call in calls.items()},
@@ -106,19 +106,20 @@ def boundary_main(rank, world_size, message_sizes, all_reduce_sizes, batch_size,
 def why_not_here():
     """What stops this machine from building the nodes (and how to get it), or None."""
     if under_torchrun():
-        return "skipped under torchrun: this cell starts nodes of its own (run the notebook, or this module)"
+        return "skipped under torchrun: this cell starts nodes of its own (run it in the notebook)"
     missing = network.missing_privileges()
     return None if missing is None else f"cannot build the two nodes here: {missing}"
 
 
 def check_sizes(inside_sizes, across_sizes, all_reduce_sizes, batch_size, hidden_dim, repeat):
     """A ValueError naming the argument, before any node is built."""
-    for name, values in (("inside_sizes", inside_sizes), ("across_sizes", across_sizes),
-                         ("all_reduce_sizes", all_reduce_sizes)):
-        if (not isinstance(values, (list, tuple)) or len(values) < 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 4 for v in values)):
-            raise ValueError(f"{name} must be a list of at least two sizes in bytes (whole numbers, each at least 4: "
-                             f"one float32), got {values!r}")
+    for name, values, fewest, step in (("inside_sizes", inside_sizes, 2, 1), ("across_sizes", across_sizes, 2, 1),
+                                       ("all_reduce_sizes", all_reduce_sizes, 1, 4)):  # a fit needs two points;
+        if (not isinstance(values, (list, tuple)) or len(values) < fewest  # the bytes counted, whole float32
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 4 or v % step for v in values)):
+            raise ValueError(f"{name} must be a list of at least {fewest} size(s) in bytes, each a whole number "
+                             f"of at least 4" + (" and a multiple of 4 (float32)" if step == 4 else "")
+                             + f", got {values!r}")
     for name, value in (("batch_size", batch_size), ("hidden_dim", hidden_dim), ("repeat", repeat)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive whole number, got {value!r}")
