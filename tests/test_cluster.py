@@ -136,6 +136,17 @@ def test_the_planner_is_given_the_link_not_assumed():
     assert boundary.within(1.1, 1.0, 0.15) and not boundary.within(0.8, 1.0, 0.15)
 
 
+def test_the_fit_is_judged_against_the_configured_rate_and_the_planners_message_seconds(capsys):
+    size = 2**20
+    beta = 1e8 / 8 * 1448 / 1514
+    result = made_up_result() | {"message_sizes": {"inside": [4, size], "across": [4, size]},
+                                 "one_way": {"inside": [1e-5, 1e-3], "across": [1e-4, 2 * (1e-4 + size / beta)]}}
+    boundary.report_fits(result)
+    out = capsys.readouterr().out
+    assert "across: 95.0% of the configured rate, within 10%" in out
+    assert "the planner's message_seconds for 1 MB across: 87.8 ms, measured 175.6 ms (0.50x)" in out
+
+
 def test_a_recorded_step_lasts_from_the_first_start_to_the_last_end_on_any_rank():
     from utils.intercept import Call
     from utils.pipeline import Event, StepRecord

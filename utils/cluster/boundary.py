@@ -30,7 +30,7 @@ from utils.cluster.bench import message_sizes as sizes_for
 from utils.cluster.run import run_for_json
 from utils.launch import spawn, under_torchrun
 from utils.model import layer_weight
-from utils.planner.communication import collective_bytes, collective_seconds
+from utils.planner.communication import collective_bytes, collective_seconds, message_seconds
 from utils.planner.describe import Link
 from utils.sequence_parallel import CopyToTensorParallelRegion, ReduceFromTensorParallelRegion
 from utils.tensor_parallel import column_shard, row_shard
@@ -210,6 +210,10 @@ def report_fits(result):
     share = result["fits"]["across"]["beta"] * 8 / rate
     print(f"across: {share:.1%} of the configured rate, "
           f"{'within' if abs(share - 1) <= FIT_TOLERANCE else 'NOT within'} {FIT_TOLERANCE:.0%}")
+    size, measured = result["message_sizes"]["across"][-1], result["one_way"]["across"][-1]
+    predicted = message_seconds(size, planner_links(result)[1])
+    print(f"the planner's message_seconds for {format_bytes(size)} across: {predicted * 1e3:.1f} ms, measured "
+          f"{measured * 1e3:.1f} ms ({predicted / measured:.2f}x)")
 
 
 def all_reduce_rows(result):
