@@ -74,8 +74,9 @@ def bytes_leaving_node(fn):
     """Bytes that left this rank's node through its link during one fn() (the interface's counter: Ethernet frames,
     headers and the acknowledgements of what came in included). Every rank calls it together."""
     counter = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics" / "tx_bytes"
-    before = int(counter.read_text())  # before the barrier: after it, the node's other rank may already be sending
-    dist.barrier()
+    dist.barrier()  # what came before has arrived everywhere, so it has left
+    before = int(counter.read_text())
+    dist.barrier()  # and no rank of the node sends before the count is read
     fn()
     dist.barrier()
     return int(counter.read_text()) - before
