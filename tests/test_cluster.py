@@ -298,7 +298,7 @@ def test_the_node_boundary_fit_recovers_the_link_and_the_planner_predicts_it(cle
     the configured rate; every rank sent the planner's bytes; the planner, given that link, predicts the all-reduces
     across the link within 15%, at the largest size (2 MB: bandwidth-bound). Two ranks across (both of a node's
     ranks crossing at once): within 15% of the median. Four ranks on two nodes: within 15% of the fastest run; its
-    median was 0.78x to 0.95x the planner's number in four runs on this loaded machine, for its six dependent steps
+    median was 0.78x to 0.95x the planner's number in seven runs on this loaded machine, for its six dependent steps
     each wait for the slowest of four ranks on two shared cores, which no link parameter describes. Nothing is
     left behind."""
     result = boundary.measure()
