@@ -190,25 +190,27 @@ def bytes_on_the_wire(fn):
     return None if before is None else after - before
 
 
-def ping_pong_main(rank, world_size, sizes):
-    """One-way seconds of a point-to-point message of each size in `sizes` (bytes), between ranks 0 and 1: they
-    bounce it back and forth, and half a round trip is one send (notebook 01; 09 fits its alpha-beta model)."""
-    return [statistics.median(samples) for samples in ping_pong_samples(rank, world_size, sizes)]
+def ping_pong_main(rank, world_size, sizes, peers=(0, 1)):
+    """One-way seconds of a point-to-point message of each size in `sizes` (bytes), between ranks `peers` (0 and
+    1): they bounce it back and forth, and half a round trip is one send (notebook 01; 09 fits its alpha-beta
+    model). Every rank calls it; the others wait."""
+    return [statistics.median(samples) for samples in ping_pong_samples(rank, world_size, sizes, peers=peers)]
 
 
-def ping_pong_samples(rank, world_size, sizes, repeat=5):
+def ping_pong_samples(rank, world_size, sizes, repeat=5, peers=(0, 1)):
     """[one-way seconds of each timed round trip] for each size of ping_pong_main, so that a spread can be shown."""
+    first, second = peers
     times = []
     for size in sizes:
         x = torch.zeros(max(size // 4, 1))
 
         def round_trip():
-            if rank == 0:
-                dist.send(x, dst=1)
-                dist.recv(x, src=1)
-            elif rank == 1:
-                dist.recv(x, src=0)
-                dist.send(x, dst=0)
+            if rank == first:
+                dist.send(x, dst=second)
+                dist.recv(x, src=second)
+            elif rank == second:
+                dist.recv(x, src=first)
+                dist.send(x, dst=first)
 
         times.append([seconds / 2 for seconds in interleaved_samples({"round trip": round_trip}, repeat)["round trip"]])
     return times

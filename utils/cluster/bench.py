@@ -4,13 +4,12 @@ node (its loopback) and between two nodes (the shaped link), against the configu
 What reaches the payload is less than the configured rate: tbf counts whole Ethernet frames, and a full TCP
 segment carries 1448 bytes of payload in 1514 (Ethernet 14, IP 20, TCP 20 with its 12 bytes of timestamps), so
 at most 95.6% of the rate."""
-import json
 from pathlib import Path
 
 from utils.bench import format_bytes
 from utils.cluster import network
 from utils.cluster.network import ClusterError
-from utils.cluster.run import run
+from utils.cluster.run import run_for_json
 
 SCRIPT = Path(__file__).with_name("ping_pong.py")
 PAYLOAD_SHARE = 1448 / 1514  # TCP payload per Ethernet frame, full-sized segments
@@ -27,12 +26,7 @@ def message_sizes(link, count=8, largest_seconds=0.25):
 
 
 def fit_on(nodes, nproc_per_node, sizes):
-    code, ranks, _ = run(nodes, nproc_per_node, SCRIPT, [str(s) for s in sizes], echo=False)
-    lines = [line for line in ranks.get(0, (0, []))[1] if line.startswith("{")]
-    if code != 0 or not lines:
-        raise ClusterError(f"bench: the ping-pong on {nodes} node(s) x {nproc_per_node} failed (exit code {code}): "
-                           + "\n".join(ranks.get(0, (0, ["no output"]))[1][-10:]))
-    return json.loads(lines[-1])
+    return run_for_json(nodes, nproc_per_node, SCRIPT, [str(s) for s in sizes], what="bench: the ping-pong")
 
 
 def bench(link="1gbit", delay=None):

@@ -6,6 +6,7 @@ own address (what the others dial), and GLOO_SOCKET_IFNAME its interface. Each r
 files (utils.cluster.worker); they are printed afterwards in rank order, as `[node i rank r] ...`. A run that fails, times out or is interrupted kills every process it started, and a cluster
 it made for itself is removed.
 """
+import json
 import os
 import re
 import signal
@@ -88,6 +89,18 @@ def run(nodes, nproc_per_node, script, args=(), link="1gbit", delay=None, timeou
     if echo:
         show(ranks, node_logs, returncode)
     return returncode, ranks, node_logs
+
+
+def run_for_json(nodes, nproc_per_node, script, args=(), what="the run", **options):
+    """Run `script` and return the last line of JSON that rank 0 printed (a measurement's result); raise, with the
+    end of rank 0's output, if the run failed or printed none."""
+    code, ranks, _ = run(nodes, nproc_per_node, script, args, echo=False, **options)
+    lines = ranks.get(0, (0, ["no output"]))[1]
+    results = [line for line in lines if line.startswith("{")]
+    if code != 0 or not results:
+        raise ClusterError(f"{what} on {nodes} node(s) x {nproc_per_node} failed (exit code {code}): "
+                           + "\n".join(lines[-10:]))
+    return json.loads(results[-1])
 
 
 def environment(logs):
