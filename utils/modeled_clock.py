@@ -20,6 +20,7 @@ and the clock is `utils.pipeline.play`, the player `idle_slots` uses. Two cost m
   layout's table and the planner's step time are one model used twice (tests/test_modeled_clock.py).
 """
 import dataclasses
+import statistics
 
 from utils import planner as pl
 from utils.pipeline import Event, play, stage_layers
@@ -37,7 +38,7 @@ class Costs:
     forward: tuple
     input_grad: tuple  # B
     weight_grad: tuple  # W
-    hand_off: float
+    hand_off: float  # or one per boundary between pieces j and j + 1 (utils.pipeline.play)
     model: str  # what is modeled, for labels
     cluster: str
 
@@ -93,6 +94,20 @@ def planner_costs(model, cluster, config):
                  weight_grad=tuple(n * lt.weight_grad + out_b / 2 * end for n, end in zip(counts, last)),
                  hand_off=pl.message_seconds(activations, pl.group_links(cluster, c)["pp"][1]),
                  model=f"{model.name}, pp={c.pp}, v={c.v}", cluster=f"{cluster.num_devices} {cluster.gpu}")
+
+
+def recorded_costs(records, hand_offs, model="the recorded computations", cluster="the measured link"):
+    """Costs whose computations are the step's own, as recorded (each rank's median F, B and W), and whose
+    hand-offs are `hand_offs` (one per boundary): for replaying a step on real hardware whose link, not its
+    computations, needs the model (issue 45: two nodes joined by a shaped link). One piece per rank."""
+    def per_rank(kind):
+        return tuple(statistics.median([e.end - e.start for e in r.events if e.kind == kind] or [0.0]) for r in records)
+
+    split = any(e.kind == "W" for r in records for e in r.events)
+    backward = per_rank("B")
+    return Costs(forward=per_rank("F"), input_grad=backward if split else tuple(b / 2 for b in backward),
+                 weight_grad=per_rank("W") if split else tuple(b / 2 for b in backward),
+                 hand_off=tuple(hand_offs), model=model, cluster=cluster)
 
 
 @dataclasses.dataclass

@@ -487,7 +487,8 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
     piece j needs F of piece j - 1; B of piece j needs B of piece j + 1 (the last piece's, its own F); W follows
     its B on the rank (on a piece whose table has no B, as the first piece's recorded W, the B of the piece after).
     A computation whose result a neighbour needs then sends it: the message holds the sender `hand_off` seconds
-    (a send waited for, as Megatron-LM's schedules do and the planner counts it) and arrives when it ends.
+    (a send waited for, as Megatron-LM's schedules do and the planner counts it) and arrives when it ends;
+    `hand_off` is one number, or one per boundary (entry j between pieces j and j + 1: a link between nodes).
     Returns (timelines, sends): per rank, (kind, chunk, micro-batch, start, end) in the order run, and the
     (start, end) of each of its sends. A table that waits for something that never runs first: a ValueError."""
     p = len(orders)
@@ -516,8 +517,10 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
                 start = max(free[r], ready)
                 free[r] = end = start + seconds(kind, piece, i)
                 timelines[r].append((kind, chunk, i, start, end))
-                if hand_off and (kind == "F" and piece < last_piece or kind == "B" and piece > 0) and p > 1:
-                    free[r] += hand_off
+                sends_on = piece if kind == "F" else piece - 1  # the boundary its result crosses
+                if (kind == "F" and piece < last_piece or kind == "B" and piece > 0) and p > 1 and (
+                        seconds_of_hand_off := _boundary(hand_off, sends_on)):
+                    free[r] += seconds_of_hand_off
                     sends[r].append((end, free[r]))
                 arrived[kind, piece, i] = free[r]
                 nxt[r] += 1
@@ -527,6 +530,10 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
                              + "; ".join(f"rank {r} at {orders[r][nxt[r]][0]}{orders[r][nxt[r]][2]}.{orders[r][nxt[r]][1]}"
                                          for r in range(p) if nxt[r] < len(orders[r])) + ")")
     return timelines, sends
+
+
+def _boundary(hand_off, j):
+    return hand_off[j] if isinstance(hand_off, (tuple, list)) else hand_off
 
 
 def formula_idle_share(schedule, num_stages, num_micro_batches, num_virtual=1):

@@ -7,7 +7,7 @@ micro-batch's activation (forward) and its gradient (backward) cross the link on
 `recorded_step()` returns every rank's StepRecord of the last step (the first one also opens gloo's connections)
 and the step's measured time: from the first event's start to the last event's end, or the last wait on a send,
 on any rank (perf_counter is one clock for every process on the machine, namespaces included). A replay of the
-records under a model of the link (the modeled clock) predicts that time; this module does not replay.
+records under a model of the link (the modeled clock, `modeled`) predicts that time.
 
 This file is also the script torchrun runs on each node; rank 0 pickles the records to the file `recorded_step`
 names.
@@ -20,10 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from utils import planner as pl
 from utils.cluster import network
+from utils.cluster.bench import PAYLOAD_SHARE
 from utils.cluster.network import ClusterError
 from utils.cluster.run import run
 from utils.launch import spawn
+from utils.modeled_clock import recorded_costs, replay
 from utils.notebooks import solution
 from utils.pipeline import train_pipeline
 
@@ -79,6 +82,19 @@ def recorded_step(link=LINK, num_steps=2, timeout=600.0, **sizes):
                                + "\n".join(ranks.get(0, (0, ["no output"]))[1][-10:]))
         records = pickle.loads(out.read_bytes())
     return RecordedStep(records, step_span(records), link, network.bits_per_second(link), PER_NODE, sizes)
+
+
+def modeled(step, alpha=0.0):
+    """The step replayed on the modeled clock (utils.modeled_clock): each computation as long as it was recorded,
+    each hand-off across the link the planner's message_seconds on a Link of the configured rate's payload
+    (utils.cluster.bench.PAYLOAD_SHARE: headers, not a fit) and latency `alpha`. Hand-offs inside a node are
+    left free: 128 KB on the loopback (1-2 GB/s, notebook 01's section 8) take under 1% of a hop across."""
+    nbytes = step.sizes["batch_size"] // step.sizes["num_micro_batches"] * step.sizes["hidden_dim"] * 8  # float64
+    across = pl.Link(alpha, step.configured_bits / 8 * PAYLOAD_SHARE)
+    hand_offs = [pl.message_seconds(nbytes, across) if step.crosses_link(s) else 0.0
+                 for s in range(len(step.records) - 1)]
+    costs = recorded_costs(step.records, hand_offs, cluster=f"2 nodes joined by {step.link}")
+    return replay(step.records, costs)
 
 
 if __name__ == "__main__":  # under torchrun, on the cluster: `recorded_step` runs this
