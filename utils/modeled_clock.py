@@ -41,6 +41,7 @@ class Costs:
     hand_off: float  # or one per boundary between pieces j and j + 1 (utils.pipeline.play)
     model: str  # what is modeled, for labels
     cluster: str
+    one_way_at_a_time: bool = False  # a boundary's two directions take turns (utils.pipeline.play)
 
     @property
     def where(self):
@@ -96,7 +97,8 @@ def planner_costs(model, cluster, config):
                  model=f"{model.name}, pp={c.pp}, v={c.v}", cluster=f"{cluster.num_devices} {cluster.gpu}")
 
 
-def recorded_costs(records, hand_offs, model="the recorded computations", cluster="the measured link"):
+def recorded_costs(records, hand_offs, model="the recorded computations", cluster="the measured link",
+                   one_way_at_a_time=False):
     """Costs whose computations are the step's own, as recorded (each rank's median F, B and W), and whose
     hand-offs are `hand_offs` (one per boundary): for replaying a step on real hardware whose link, not its
     computations, needs the model (issue 45: two nodes joined by a shaped link). One piece per rank."""
@@ -107,7 +109,7 @@ def recorded_costs(records, hand_offs, model="the recorded computations", cluste
     backward = per_rank("B")
     return Costs(forward=per_rank("F"), input_grad=backward if split else tuple(b / 2 for b in backward),
                  weight_grad=per_rank("W") if split else tuple(b / 2 for b in backward),
-                 hand_off=tuple(hand_offs), model=model, cluster=cluster)
+                 hand_off=tuple(hand_offs), model=model, cluster=cluster, one_way_at_a_time=one_way_at_a_time)
 
 
 @dataclasses.dataclass
@@ -161,7 +163,7 @@ def replay(orders, costs=None, num_virtual=1, num_micro_batches=None):
                              f"{num_virtual} = {p * num_virtual}")
         seconds = lambda kind, piece, i: costs.seconds(kind, piece, split[piece])
         hand_off = costs.hand_off
-    timelines, sends = play(orders, num_virtual, seconds, hand_off)
+    timelines, sends = play(orders, num_virtual, seconds, hand_off, costs is not None and costs.one_way_at_a_time)
     events = [[Event(kind, i, start, end, chunk) for kind, chunk, i, start, end in t] for t in timelines]
     step = max([e.end for t in events for e in t] + [end for s in sends for _, end in s])
     return Clock(events, sends, step, [sum(e.end - e.start for e in t) for t in events])

@@ -480,7 +480,7 @@ def idle_slots(orders, num_virtual=1, durations=None):
     return busy, max(end for timeline in timelines for *_, end in timeline)
 
 
-def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
+def play(orders, num_virtual=1, seconds=None, hand_off=0.0, one_way_at_a_time=False):
     """Play the tables `orders` (one per rank, in the order the rank runs them: (kind, micro-batch) or (kind,
     chunk, micro-batch); piece = rank + chunk p) on a clock: each computation lasts `seconds(kind, piece,
     micro-batch)`, and starts once the one before it on its rank has ended and what it needs has arrived. F of
@@ -489,6 +489,9 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
     A computation whose result a neighbour needs then sends it: the message holds the sender `hand_off` seconds
     (a send waited for, as Megatron-LM's schedules do and the planner counts it) and arrives when it ends;
     `hand_off` is one number, or one per boundary (entry j between pieces j and j + 1: a link between nodes).
+    With `one_way_at_a_time`, a boundary carries one message at a time: an activation and a gradient crossing it
+    together take turns (a link whose two directions do not overlap; the sender waits for its turn).
+    Computations are played in the order they end, so turns are taken first come, first served.
     Returns (timelines, sends): per rank, (kind, chunk, micro-batch, start, end) in the order run, and the
     (start, end) of each of its sends. A table that waits for something that never runs first: a ValueError."""
     p = len(orders)
@@ -496,39 +499,41 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0):
     seconds = seconds or (lambda kind, piece, i: 1)
     last_piece = p * num_virtual - 1
     has_b = {r + chunk * p for r, order in enumerate(orders) for kind, chunk, _ in order if kind == "B"}
-    arrived, free, nxt = {}, [0] * p, [0] * p
+    arrived, free, nxt, link_free = {}, [0] * p, [0] * p, {}
     timelines, sends = [[] for _ in range(p)], [[] for _ in range(p)]
+
+    def ready_at(r):  # when rank r's next computation can start, or None while what it needs has not arrived
+        kind, chunk, i = orders[r][nxt[r]]
+        piece = r + chunk * p
+        need = {"F": ("F", piece - 1), "B": ("B", piece + 1),
+                "W": ("B", piece) if piece in has_b else ("B", piece + 1)}[kind]
+        if kind == "B" and piece == last_piece:
+            need = ("F", piece)
+        if kind == "F" and piece == 0 or kind == "W" and need[1] > last_piece:
+            return free[r]
+        return None if need + (i,) not in arrived else max(free[r], arrived[need + (i,)])
+
     while any(nxt[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while nxt[r] < len(orders[r]):
-                kind, chunk, i = orders[r][nxt[r]]
-                piece = r + chunk * p
-                need = {"F": ("F", piece - 1), "B": ("B", piece + 1),
-                        "W": ("B", piece) if piece in has_b else ("B", piece + 1)}[kind]
-                if kind == "B" and piece == last_piece:
-                    need = ("F", piece)
-                if kind == "F" and piece == 0 or kind == "W" and need[1] > last_piece:
-                    ready = 0
-                elif need + (i,) in arrived:
-                    ready = arrived[need + (i,)]
-                else:
-                    break
-                start = max(free[r], ready)
-                free[r] = end = start + seconds(kind, piece, i)
-                timelines[r].append((kind, chunk, i, start, end))
-                sends_on = piece if kind == "F" else piece - 1  # the boundary its result crosses
-                if (kind == "F" and piece < last_piece or kind == "B" and piece > 0) and p > 1 and (
-                        seconds_of_hand_off := _boundary(hand_off, sends_on)):
-                    free[r] += seconds_of_hand_off
-                    sends[r].append((end, free[r]))
-                arrived[kind, piece, i] = free[r]
-                nxt[r] += 1
-                progressed = True
-        if not progressed:
+        starts = {r: ready_at(r) for r in range(p) if nxt[r] < len(orders[r])}
+        ends = {r: start + seconds(orders[r][nxt[r]][0], r + orders[r][nxt[r]][1] * p, orders[r][nxt[r]][2])
+                for r, start in starts.items() if start is not None}
+        if not ends:
             raise ValueError("the tables deadlock: some computation waits for one that never runs first ("
                              + "; ".join(f"rank {r} at {orders[r][nxt[r]][0]}{orders[r][nxt[r]][2]}.{orders[r][nxt[r]][1]}"
                                          for r in range(p) if nxt[r] < len(orders[r])) + ")")
+        r = min(ends, key=lambda r: (ends[r], r))
+        (kind, chunk, i), start, end = orders[r][nxt[r]], starts[r], ends[r]
+        piece = r + chunk * p
+        free[r] = end
+        timelines[r].append((kind, chunk, i, start, end))
+        boundary = piece if kind == "F" else piece - 1  # the boundary its result crosses
+        sends_result = (kind == "F" and piece < last_piece or kind == "B" and piece > 0) and p > 1
+        if sends_result and (h := _boundary(hand_off, boundary)):
+            begin = max(end, link_free.get(boundary, 0)) if one_way_at_a_time else end
+            free[r] = link_free[boundary] = begin + h
+            sends[r].append((begin, free[r]))
+        arrived[kind, piece, i] = free[r]
+        nxt[r] += 1
     return timelines, sends
 
 
