@@ -81,6 +81,14 @@ MERGE_MISTAKES = {
         "    a, b = torch.exp(lse)[..., None], torch.exp(block_lse)[..., None]\n"
         "    return (a * out + b * block_out) / (a + b), torch.log(torch.exp(lse) + torch.exp(block_lse))\n",
         "overflow here: exponentiate differences"),
+    "the block's out replaces the running one": (MERGE.replace(
+        "    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse - shift)[..., None] * block_out\n"
+        "    return out, merged\n", "    return block_out, merged\n"), "the block's out replaced the running one"),
+    "the running out returned unchanged": (MERGE.replace(
+        "    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse - shift)[..., None] * block_out\n",
+        ""), "the running out was returned unchanged"),
+    "weights exp(lse), not exp(lse - merged)": (MERGE.replace("torch.exp(lse - shift)", "torch.exp(lse)").replace(
+        "torch.exp(block_lse - shift)", "torch.exp(block_lse)"), r"the weights are exp\(lse_block\), not exp"),
     # issue 43 (found by students): right wherever a query sees some key, NaN where it sees none in either block
     "NaN where both blocks are unseen": (
         "    merged = torch.logaddexp(lse, block_lse)\n"

@@ -377,6 +377,10 @@ WRONG_12 = {
          {W_SPLIT: "    torch.autograd.backward(y, grad)\n"},
          r"the backward calls, as autograd saw them, were B W; expected B W|were B B; expected B W: W must compute "
          r"only the weights' gradients"),
+        ("W back-propagates y.sum(), not the gradient it was given",
+         {W_SPLIT: "    torch.autograd.backward(y.sum(), inputs=list(stage.parameters()))\n"},
+         r"backward_weight|B then W on the first piece .*: after W, layers.0.linear.weight.grad is what a gradient of ones "
+         r"gives \(y.sum\(\)'s backward\)"),
         ("B returns the gradient it was given",
          {B_SPLIT: "    return grad\n"},
          r"backward_input on the middle piece .*: returned the gradient it was given, not the input's"),
@@ -419,6 +423,9 @@ WRONG_12 = {
           "            loss = y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
           "            dist.recv(grad, src=(rank + 1) % p)"},
          r"the loss returned at step 0 is .*that is the last micro-batch's loss alone: the loss was overwritten"),
+        ("the returned loss divided by m again",
+         {"    return loss if pieces[-1].is_last else None": "    return loss / num_micro_batches if pieces[-1].is_last else None"},
+         r"the loss returned at step 0 is .*: 1/2 of it: the sum was divided again"),
         ("the loss added up in float32 (students' list: the message printed two numbers that look equal)",
          {"            loss = loss + y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
           "            dist.recv(grad, src=(rank + 1) % p)":

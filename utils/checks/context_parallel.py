@@ -87,6 +87,12 @@ def _merge_mistakes(out_a, lse_a, out_b, lse_b):
                                              "keeps exp from overflowing"),
         (lse_a, "lse", "the lse returned is the running one, not updated with the block's"),
         (lse_a + lse_b, "lse", "the lse's are added: the merged one is log(exp(lse_a) + exp(lse_b))"),
+        (out_b, "out", "the block's out replaced the running one: combine the two, each weighted by exp(lse_block - "
+                       "lse_merged)"),
+        (out_a, "out", "the running out was returned unchanged: the block's out was never combined into it"),
+        (torch.exp(lse_a)[..., None] * out_a + torch.exp(lse_b)[..., None] * out_b, "out",
+         "the weights are exp(lse_block), not exp(lse_block - lse_merged): they must be each block's share of the "
+         "merged denominator, adding up to 1 (and never exponentiate an lse itself: it overflows)"),
     ]
 
 

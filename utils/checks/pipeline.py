@@ -413,6 +413,10 @@ def _check_losses(where, got, want, last_alone=None):
             elif step == 0 and last_alone is not None and abs(g - last_alone) <= TOLERANCE:
                 hint += (": that is the last micro-batch's loss alone: the loss was overwritten at each micro-batch; "
                          "add each micro-batch's (loss = loss + y.detach())")
+            elif m := next((k for k in range(2, 65) if abs(g * k - w) <= TOLERANCE * k), None):
+                hint += (f": 1/{m} of it: the sum was divided again (by num_micro_batches or a rank count); each "
+                         f"micro-batch's loss is already divided by num_micro_batches: return their sum" if m > 1
+                         else "")
         raise AssertionError(f"{where}: the loss returned at step {step} is {text}; the full batch's loss is {w!r}"
                              f"{hint} (the sum of the micro-batches' losses, each divided by num_micro_batches)")
 
@@ -633,7 +637,7 @@ def _run_w(where, backward_weight, piece, y, grad):
     _call_split(where, backward_weight, piece, y, grad)
 
 
-def _expect_weights(where, piece, want, names, m, one=None):
+def _expect_weights(where, piece, want, names, m, one=None, ones=None):
     for p, w, name in zip(piece.parameters(), want, names):
         if p.grad is None:
             raise AssertionError(f"{where}: after W, {name}.grad is None: W must accumulate the weights' gradients "
@@ -647,6 +651,10 @@ def _expect_weights(where, piece, want, names, m, one=None):
         if one is not None and m > 1 and max_abs_diff(p.grad, one[name]) <= TOLERANCE:
             raise AssertionError(f"{where}: after W of {m} micro-batches, {name}.grad holds only the last one's: W "
                                  f"overwrote .grad; it must add to it (.grad accumulates over micro-batches)")
+        if ones is not None and not piece.is_last and max_abs_diff(p.grad, ones[name]) <= TOLERANCE:
+            raise AssertionError(f"{where}: after W, {name}.grad is what a gradient of ones gives (y.sum()'s "
+                                 f"backward): W must back-propagate y with the gradient it was given (the one "
+                                 f"received from the next stage), as B does")
         raise AssertionError(f"{where}: after W, {name}.grad differs from the full backward's by "
                              f"{max_abs_diff(p.grad, w):.3g} (bit for bit expected: W walks the same graph)")
 
@@ -695,7 +703,8 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
                 one = _last_alone(piece_index, sizes, m, names)
     where = (f"B then W on the {kind} piece (layers {list(piece.layer_indices)}), W deferred until the B's of all "
              f"{m} micro-batches")
-    _expect_weights(where, piece, want_grads, names, m, one)
+    _expect_weights(where, piece, want_grads, names, m, one,
+                    _weights_after(piece_index, sizes, m, names, range(m), ones=True))
     kinds = "".join(e.kind for e in sorted(record.events, key=lambda e: e.start) if e.kind != "F")
     want = "W" * m if piece.is_first else "B" * m + "W" * m
     if kinds != want:
@@ -704,17 +713,24 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
                              f"parameters), not the input's again")
 
 
-def _last_alone(piece_index, sizes, m, names):
-    """The weights' gradients of the last micro-batch alone (what an overwriting W leaves)."""
+def _weights_after(piece_index, sizes, m, names, micro_batches, ones=False):
+    """The weights' gradients after the backwards of `micro_batches` (of m), each given its output's gradient, or a
+    gradient of ones (`ones`: y.sum()'s backward)."""
     hidden_dim, num_layers, batch_size, seed = sizes
     piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
     batch = make_batch(batch_size, hidden_dim, seed)
     inputs = [_reference_activations(hidden_dim, num_layers, mb, seed) for mb in batch.chunk(m)]
-    x = _piece_inputs(piece, batch.chunk(m), inputs)[-1]
-    y = piece(x)
-    y = loss_fn(y) / m if piece.is_last else y
-    y.backward(_upstream(piece, y, seed, m - 1))
+    xs = _piece_inputs(piece, batch.chunk(m), inputs)
+    for i in micro_batches:
+        y = piece(xs[i])
+        y = loss_fn(y) / m if piece.is_last else y
+        y.backward(torch.ones_like(y) if ones else _upstream(piece, y, seed, i))
     return dict(zip(names, (p.grad for p in piece.parameters())))
+
+
+def _last_alone(piece_index, sizes, m, names):
+    """The weights' gradients of the last micro-batch alone (what an overwriting W leaves)."""
+    return _weights_after(piece_index, sizes, m, names, [m - 1])
 
 
 def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers, batch_size, num_micro_batches,
