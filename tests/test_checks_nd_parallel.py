@@ -209,6 +209,16 @@ def test_2d_mistakes_are_named(mistake):
         check_2d(solution(NAME, replace=replace))
 
 
+@pytest.mark.slow  # 3 s: two meshes
+def test_2d_divided_by_the_tensor_size_is_named_where_it_differs_from_the_data_size():
+    """On (2, 2) the tensor group's size is the data group's: the mistake shows on (1, 4), where both the world's and
+    the tensor group's size are 4 (both named)."""
+    module = solution(NAME, replace={"        grad /= data_parallel\n": "        grad /= dist.get_world_size(tensor_group)\n"})
+    with pytest.raises(AssertionError, match=r"on mesh \(data, tensor\) = \(1, 4\).*divided by the world size or the "
+                                             r"tensor size \(4\) instead of the data size \(1\)"):
+        check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
+
+
 @pytest.mark.slow  # 2.3 s: two meshes
 def test_2d_right_only_on_the_default_mesh_is_named():
     """/ 2 written in: right on (2, 2), wrong on (1, 4); the check says it passed the first mesh."""
@@ -261,6 +271,11 @@ def test_the_check_refuses_bad_sizes_before_any_rank_starts():
 
 THREE_D = dict(world_size=4, num_steps=1)
 PIPELINE_MISTAKES = {
+    "the output's gradient received from the previous stage (None on the first: any source, right on 2 stages)": (
+        {"                dist.recv(grad, following, group=pipeline)\n":
+         "                dist.recv(grad, previous, group=pipeline)\n"}, "names no peer \\(None: from any rank\\)"),
+    "the returned loss divided by m again": ({"                loss += y.item()\n": "                loss += y.item() / m\n"},
+                                             "the loss returned is 1/2 of one process's at every step"),
     "peer rank - 1 (the tensor neighbour)": (
         {"    previous = rank - tensor_parallel if stage > 0 else None":
              "    previous = rank - 1 if stage > 0 else None",
@@ -340,7 +355,7 @@ PIPELINE_MISTAKES = {
 
 
 # about 2 s each under load (the right ones pass (2, 2, 1) first): these under pytest -m slow
-PIPELINE_SLOW = ("the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
+PIPELINE_SLOW = ("the returned loss divided by m again", "the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
                  "LM head on the first stage", "the hidden states received into a buffer shaped like the tokens",
                  "groups read by a name the mesh does not have", "the pipeline neighbour P ranks away, not T")
 

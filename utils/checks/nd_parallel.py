@@ -308,6 +308,12 @@ def _check_trained(got, got_losses, weights, losses, mesh, question=""):
     """After the run's steps, whose first step's gradients were right: its weights and losses against one process's
     (1e-12), an AssertionError saying which differ (and `question`) if they do not."""
     wrong = [name for name, w in weights.items() if not close(got[name], w)]
+    ratio = {round(b / a, 9) for a, b in zip(got_losses, losses) if a}
+    if not wrong and len(ratio) == 1 and (k := ratio.pop()) != 1 and k == round(k):
+        raise AssertionError(f"on mesh {mesh}: the gradients and the weights are right, but the loss returned is 1/"
+                             f"{k:.0f} of one process's at every step ({[round(x, 6) for x in got_losses]} against "
+                             f"{[round(x, 6) for x in losses]}): the loss returned was divided again (each micro-"
+                             f"batch's share is already divided by m; the ranks' shares add up): return their sum")
     if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
         raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {len(losses)} steps "
                              f"the losses {[round(x, 6) for x in got_losses]} (one process: "
@@ -364,8 +370,9 @@ def _gradient_mistakes(runs, run, name, want, mesh, grads):
                     f"each rank holds a part of the gradient")
         mistakes.append((data_mean, hint))
     if world != data_parallel and _scaled_everywhere(run, grads, mesh, data_parallel / world):
-        mistakes.append((want * data_parallel / world, f"divided by the world size ({world}) instead of the data "
-                                                      f"size ({data_parallel}): the tensor ranks' shares add up, only "
+        which = f"the world size ({world})" if data_parallel > 1 else f"the world size or the tensor size ({world})"
+        mistakes.append((want * data_parallel / world, f"divided by {which} instead of the data size "
+                                                      f"({data_parallel}): the tensor ranks' shares add up, only "
                                                       f"the data group's copies are averaged"))
     if data_parallel > 1 and _scaled_everywhere(run, grads, mesh, data_parallel):
         mistakes.append((want * data_parallel, f"it is {data_parallel} times too large: the sum over the data group, "

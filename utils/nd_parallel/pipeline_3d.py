@@ -88,6 +88,12 @@ def guard_3d(groups, tensor_parallel, journal=None, mesh=None, hidden_shape=None
                     f"travels between stages is a micro-batch's hidden states (or their gradient), float64 of shape "
                     f"{hidden_shape} (micro-batch, this rank's chunk of positions, dim): receive into "
                     f"nd.hidden_like(tokens, model.sizes), a gradient into torch.empty_like(y)")
+            if peer is None:  # gloo's "any source": right only where the one rank that sends is the right one
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} names no peer (None: from any rank): a message comes from one "
+                    f"pipeline neighbour, named (the previous stage's rank - T for hidden states, the next stage's "
+                    f"rank + T for their gradient); this stage's neighbours are {list(neighbours)} (None: no stage "
+                    f"there), so a gradient asked of the previous stage, or hidden states of the next, has no peer")
             if peer in neighbours and call.group in ("pipeline", "world"):
                 journal_message(journal, call.name, peer)
                 return
