@@ -211,6 +211,14 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
         "    kv = torch.stack([k, v])  # one message per step\n"
         "    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)\n",
         "the running lse started at 0"),
+    "the source rank taken as (step - rank) mod N": (
+        "        source = (rank - step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(",
+        "        source = (step - rank) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(", r"not \(s - rank\) mod N"),
+    "visibility asked with the keys' positions first": (
+        RING_SKIP + RING_BLOCK, "        if ra.visible(positions[source], positions[rank], mask):\n" + RING_BLOCK,
+        "the keys' positions first"),
     "a transfer after the last step too": (
         "        last = step == world_size - 1\n        if not last:\n            incoming = torch.empty_like(kv)\n"
         + START, "        last = False\n        if not last:\n            incoming = torch.empty_like(kv)\n" + START,
@@ -219,7 +227,9 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
 
 
 @pytest.mark.parametrize("mistake", cases(RING_MISTAKES, slow={"the block taken for rank + step's",
-                                                             "running lse started at 0"}))
+                                                             "running lse started at 0",
+                                                             "the source rank taken as (step - rank) mod N",
+                                                             "visibility asked with the keys' positions first"}))
 def test_ring_mistakes_are_named(mistake):
     old, new, hint = RING_MISTAKES[mistake]
     edits = {old: new}
@@ -253,6 +263,13 @@ DKV_WAIT = ("        for transfer in dkv_transfers + ([] if last else transfers)
             "        dkv = incoming_dkv\n")
 BACKWARD_START = "            transfers = [dist.isend(kv, send_to), dist.irecv(incoming, receive_from)]\n"
 BACKWARD_MISTAKES = {
+    "the key/value gradients passed the other way round": (
+        "        dkv_transfers = [dist.isend(dkv, send_to), dist.irecv(incoming_dkv, receive_from)]\n",
+        "        dkv_transfers = [dist.isend(dkv, receive_from), dist.irecv(incoming_dkv, send_to)]\n",
+        "travelled the other way round the ring"),
+    "the travelling gradients started from the keys and values": (
+        "    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)", "    dq, dkv = torch.zeros_like(q), kv.clone()",
+        "started from the keys and values themselves"),
     "gradients one step short of home": (
         "        incoming_dkv = torch.empty_like(dkv)\n",
         "        if last:\n            break\n        incoming_dkv = torch.empty_like(dkv)\n", "one step short"),
@@ -285,7 +302,9 @@ def test_ring_backward_written_another_way_passes():
     check_ring_attention_backward(SOLUTION.ring_attention_forward, other.ring_attention_backward, 3, world_sizes=())
 
 
-@pytest.mark.parametrize("mistake", cases(BACKWARD_MISTAKES, slow={"dq assigned, not added", "dk and dv swapped"}))
+@pytest.mark.parametrize("mistake", cases(BACKWARD_MISTAKES, slow={"dq assigned, not added", "dk and dv swapped",
+                                                   "the key/value gradients passed the other way round",
+                                                   "the travelling gradients started from the keys and values"}))
 def test_backward_mistakes_are_named(mistake):
     old, new, hint = BACKWARD_MISTAKES[mistake]
     wrong_one = wrong(old, new)
@@ -301,6 +320,10 @@ ZIGZAG = """    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
             for r in range(world_size)]
 """
 ZIGZAG_MISTAKES = {
+    "second chunk 2N - r, one past": (
+        ZIGZAG.replace("(2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk",
+                       "(2 * world_size - r) * chunk, (2 * world_size + 1 - r) * chunk"),
+        r"held: 8, by rank 0, whose chunks are \[0, 4\] of the 4 .*one off, 2N - r"),
     "chunks r and N + r": (
         "    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),\n"
         "                       torch.arange((world_size + r) * chunk, (world_size + r + 1) * chunk)])\n"

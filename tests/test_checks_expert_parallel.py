@@ -193,7 +193,8 @@ CAPACITY_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", cases(CAPACITY_MISTAKES, slow=("capacity - 1 kept",)))  # as + 1, in the default run
+@pytest.mark.parametrize("mistake", cases(CAPACITY_MISTAKES, slow=("capacity - 1 kept",
+                                                                          "the kept pairs' weights taken in order")))  # as + 1, in the default run
 def test_capacity_mistakes_are_named(mistake):
     old, new, hint = CAPACITY_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):

@@ -301,11 +301,12 @@ def _simulated_ring(q, k, v, positions, mask, variant):
         for step in range(world_size):
             source = (rank - step) % world_size
             held = (rank + step) % world_size if variant == "other direction" else source
-            k_positions = mine if variant.startswith("own positions") else positions[source]
+            named = (step - rank) % world_size if variant == "step - rank" else source  # whose block it is taken for
+            k_positions = mine if variant.startswith("own positions") else positions[named]
             if variant == "own block only" and step:
                 continue
-            seen = k_positions if variant == "own positions everywhere" else positions[source]
-            if not ra.visible(mine, seen, mask):
+            seen = k_positions if variant == "own positions everywhere" else positions[named]
+            if not (ra.visible(seen, mine, mask) if variant == "visibility reversed" else ra.visible(mine, seen, mask)):
                 continue
             block = ra.block_attention(q[..., mine, :], k[..., positions[held], :], v[..., positions[held], :],
                                        mine, k_positions, mask)
@@ -328,6 +329,12 @@ RING_MISTAKES = {
                        "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block; "
                        "either the source was taken as rank (rank + s) mod N, or the blocks were sent to rank - 1 "
                        "(on 2 ranks the two are the same rank, so only 3 or more show it)",
+    "step - rank": "the block held at step s came from rank (rank - s) mod N, not (s - rank) mod N: its positions "
+                   "were taken from the wrong rank (the two agree on rank 0, and on 2 ranks everywhere: only 3 or "
+                   "more show it)",
+    "visibility reversed": "ra.visible was asked with the keys' positions first: visible(q_positions, k_positions, "
+                           "mask) takes this rank's queries' positions, then the block's keys' (positions[rank], "
+                           "positions[source]); reversed, a rank skips the earlier blocks it sees and keeps the later",
     "zero start": "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more "
                   "in its denominator; start from the first block's (out, lse)",
 }
@@ -420,8 +427,9 @@ def _ring_forward_checked(forward, positions, mask, timeout):
             everyone = torch.empty_like(q)
             for r, other in enumerate(results):
                 everyone[..., positions[r], :] = other["forward"][0]
-            hint = confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)
-                                         for variant, h in RING_MISTAKES.items()])
+            fits = [h for variant, h in RING_MISTAKES.items()  # every mistake that gives these numbers, named
+                    if confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)])]
+            hint = "; or ".join(dict.fromkeys(fits)) or None
             if hint is None and mask == "causal" and close(everyone, ra.reference_attention(q, k, v, "none")[0]):
                 hint = "no causal mask was applied: pass the mask to block_attention"
             raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
@@ -514,6 +522,23 @@ def _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, 
         candidates.append((full_grad[..., positions[following], :],
                            f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
                            f"the last step they travel once more, home to their owner"))
+        # the gradients passed the other way round (to rank - 1): block j's gradient buffer visits j, j - 1, ... and
+        # ends at rank j + 1 (a direction right on 2 ranks only)
+        if n > 2:
+            buffers = [0] * n
+            for step in range(n):
+                buffers = [b + (share(r, (r - step) % n) if ra.visible(positions[r], positions[(r - step) % n], mask)
+                                else 0) for r, b in enumerate(buffers)]
+                buffers = buffers[1:] + buffers[:1]  # rank r receives rank r + 1's
+            candidates.append((buffers[rank] + torch.zeros_like(full_grad[..., mine, :]),
+                               "the key/value gradients travelled the other way round the ring: they must follow "
+                               "their block (isend to rank + 1, irecv from rank - 1) to come home; sent to rank - 1, "
+                               "each rank ends with another rank's (on 2 ranks both ways lead home: only 3 or more "
+                               "show it)"))
+        start = (k, v)[which - 1][..., mine, :]
+        candidates.append((full_grad[..., mine, :] + start, "the travelling key/value gradients started from the keys "
+                                                            "and values themselves, not from zeros: dkv = "
+                                                            "torch.zeros_like(kv)"))
         # every block's share added into one buffer that never moves
         kept = sum(x for j in range(n) if (x := share(rank, j)) is not None)
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
@@ -549,7 +574,12 @@ def _layout_problem(got, seq_len, n):
     held = torch.cat(list(got))
     counts = torch.bincount(held.clamp(0, seq_len), minlength=seq_len + 1)
     if held.min() < 0 or held.max() >= seq_len:
-        return f"a position outside the sequence 0..{seq_len - 1} is held: {held[(held < 0) | (held >= seq_len)][0]}"
+        outside = held[(held < 0) | (held >= seq_len)][0].item()
+        rank = next(r for r, mine in enumerate(got) if (mine == outside).any())
+        first = [p // chunk for p in got[rank].tolist()]
+        return (f"a position outside the sequence 0..{seq_len - 1} is held: {outside}, by rank {rank}, whose chunks "
+                f"are {sorted(set(first))} of the {2 * n} (0..{2 * n - 1}): zigzag gives rank r chunks r and 2N-1-r "
+                f"({rank} and {2 * n - 1 - rank})" + (": one off, 2N - r" if max(first) == 2 * n - rank else ""))
     if (counts[:seq_len] != 1).any():
         position = (counts[:seq_len] != 1).nonzero()[0].item()
         owners = [r for r, mine in enumerate(got) if (mine == position).any()]
