@@ -370,6 +370,9 @@ TRAIN_MISTAKES = {
     "gradients not averaged": (AVERAGE, "        pass\n", "differs between the ranks"),
     "summed, not averaged": (AVERAGE, "        dist.all_reduce(p.grad)\n", "times the whole batch's"),
     # a library error inside the student's function, named (issue 43)
+    "each rank's loss divided by N, the gradients averaged too": (
+        FORWARD, FORWARD.replace("targets[:, mine])", "targets[:, mine]) / world_size"),
+        "1/2 of it: each rank's loss was divided by the world size N = 2"),
     "targets not sliced": (FORWARD, FORWARD.replace("targets[:, mine])", "targets)"),
                            "failed: ValueError: Expected input batch_size .*: the logits and the targets cover "
                            "different tokens"),
@@ -378,7 +381,8 @@ TRAIN_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", cases(TRAIN_MISTAKES, slow={"targets not sliced"}))
+@pytest.mark.parametrize("mistake", cases(TRAIN_MISTAKES, slow={"targets not sliced",
+                                                              "each rank's loss divided by N, the gradients averaged too"}))
 def test_training_mistakes_are_named(mistake):
     old, new, hint = TRAIN_MISTAKES[mistake]
     wrong_one = wrong(old, new)

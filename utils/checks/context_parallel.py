@@ -697,7 +697,10 @@ def check_context_parallel_training(forward_backward, ring_attention, world_size
                 local = _rope_at(positions, TRAIN_SIZES)
                 hint = (": RoPE rotated each token by its position within its rank's chunk; pass the chunk's "
                         "global positions to the model (model(tokens, positions)), as the ring masks by them"
-                        if abs(mean_first - local) < TOLERANCE else "")
+                        if abs(mean_first - local) < TOLERANCE else
+                        f": 1/{n} of it: each rank's loss was divided by the world size N = {n}; a rank's loss is the "
+                        f"mean over its own tokens (lm_loss), and the mean over the ranks is the gradients' (all-reduce "
+                        f"then / N, once)" if abs(mean_first * n - want_losses[0]) < TOLERANCE * n else "")
                 raise AssertionError(f"{case}: step 0's loss, averaged over the ranks, is {mean_first:.12g}; one "
                                      f"process's is {want_losses[0]:.12g}{hint}")
             problem = _gradient_hint(runs, want_grads, n)
