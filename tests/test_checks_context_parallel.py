@@ -270,6 +270,11 @@ BACKWARD_MISTAKES = {
     "the travelling gradients started from the keys and values": (
         "    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)", "    dq, dkv = torch.zeros_like(q), kv.clone()",
         "started from the keys and values themselves"),
+    "block_attention_backward given lse before out (a raw size error inside it)": (
+        "                grad_out, q, kv[0], kv[1], out, lse, positions[rank], positions[source], mask)\n",
+        "                grad_out, q, kv[0], kv[1], lse, out, positions[rank], positions[source], mask)\n",
+        r"rank \d: ring_attention_backward raised RuntimeError: The size of tensor a .*, at `.*`: tensors of different "
+        r"shapes met: ra.block_attention_backward takes \(grad_out, q, k, v, out, lse"),
     "gradients one step short of home": (
         "        incoming_dkv = torch.empty_like(dkv)\n",
         "        if last:\n            break\n        incoming_dkv = torch.empty_like(dkv)\n", "one step short"),

@@ -17,6 +17,7 @@ from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_dif
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
 from utils.launch import RankError, runnable_world_sizes
+from utils.nd_parallel.communication import raised_in
 from utils.transformer import (
     TransformerSizes,
     build_transformer,
@@ -284,7 +285,11 @@ def _ring_main(rank, world_size, forward, backward, mask, positions):
 
         calls = []
         with traced_blocks(calls, clock), intercept(clock=clock) as log:
-            got = run()
+            try:
+                got = run()
+            except Exception as e:  # a library's error inside the student's ring: said with its line and cause
+                hint = next((h for words, h in RING_ERRORS if words in str(e)), "")
+                raise AssertionError(f"rank {rank}: " + str(raised_in(f"ring_attention_{phase}", e, hint))) from e
         result[phase] = got
         result[phase + " log"] = [(c.name, c.nbytes, c.blocking, c.started_at, c.waited_at) for c in log]
         result[phase + " blocks"] = [(kp, t) for kind, _, kp, t in calls if kind == phase]
@@ -389,7 +394,24 @@ def _raise(n, mask, problem):
         raise AssertionError(f"{n} ranks, mask {mask!r}: {problem}")
 
 
+RING_ERRORS = [  # (words in the error, what in the student's ring usually causes it)
+    ("must match the size", ": tensors of different shapes met: ra.block_attention_backward takes (grad_out, q, k, v, "
+                            "out, lse, q_positions, k_positions, mask), out and lse the forward's, and returns (dq, "
+                            "dk, dv); ra.block_attention takes (q, k, v, q_positions, k_positions, mask): check the "
+                            "order of the arguments"),
+]
+
+
 def _spawn_ring(forward, backward, positions, mask, timeout):
+    try:
+        return _spawn_ring_ranks(forward, backward, positions, mask, timeout)
+    except RankError as e:  # a rank's AssertionError (the student's function raised): said here
+        if e.summary.startswith("AssertionError: "):
+            raise AssertionError(e.summary.removeprefix("AssertionError: ")) from None
+        raise
+
+
+def _spawn_ring_ranks(forward, backward, positions, mask, timeout):
     return spawn_explaining_stalls(
         _ring_main, len(positions), forward, backward, mask, positions, timeout=timeout,
         hint=("the ring stalls: some rank waits for a block that never comes. Each rank sends to rank + 1 and "
