@@ -23,8 +23,10 @@ Notebook 11 (schedules past 1F1B):
   against the schedule's table (`pp.interleaved_order`, `pp.zb_h1_order`), its messages against the
   count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once. Each send and
   receive is compared, before it runs, with the table's next hand-off (a peer right on 2 ranks only,
-  a skipped send); gradients that are all one multiple of one process's name the count the loss was
-  divided by; an error raised inside the student's function is said with its cause.
+  a skipped send, a skipped receive); when the ranks stall anyway, the journals of their sends and
+  receives (notebook 12's: nd.journal_message, nd.unpaired_messages) name the messages that never
+  paired up, by the table; gradients that are all one multiple of one process's name the count the
+  loss was divided by; an error raised inside the student's function is said with its cause.
 
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
