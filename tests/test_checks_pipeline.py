@@ -517,7 +517,9 @@ WRONG_12 = {
 
 
 SLOW_12 = ("the input's gradient sent back for micro-batches after the first only, on 3 ranks",
-           "B's result not sent back on 3 ranks")  # their 2-rank twins show the same hint in the default run
+           "B's result not sent back on 3 ranks",  # their 2-rank twins show the same hint in the default run
+           "the input not received: a buffer never filled",  # as the output's gradient not received
+           "the returned loss divided by m again")  # 1.4 s: a loss check the float32 and overwrite entries run
 
 
 @pytest.mark.parametrize("exercise, what, edit, hint, world_size", [
