@@ -81,6 +81,14 @@ MERGE_MISTAKES = {
         "    a, b = torch.exp(lse)[..., None], torch.exp(block_lse)[..., None]\n"
         "    return (a * out + b * block_out) / (a + b), torch.log(torch.exp(lse) + torch.exp(block_lse))\n",
         "overflow here: exponentiate differences"),
+    "the block's out replaces the running one": (MERGE.replace(
+        "    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse - shift)[..., None] * block_out\n"
+        "    return out, merged\n", "    return block_out, merged\n"), "the block's out replaced the running one"),
+    "the running out returned unchanged": (MERGE.replace(
+        "    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse - shift)[..., None] * block_out\n",
+        ""), "the running out was returned unchanged"),
+    "weights exp(lse), not exp(lse - merged)": (MERGE.replace("torch.exp(lse - shift)", "torch.exp(lse)").replace(
+        "torch.exp(block_lse - shift)", "torch.exp(block_lse)"), r"the weights are exp\(lse_block\), not exp"),
     # issue 43 (found by students): right wherever a query sees some key, NaN where it sees none in either block
     "NaN where both blocks are unseen": (
         "    merged = torch.logaddexp(lse, block_lse)\n"
@@ -203,6 +211,14 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
         "    kv = torch.stack([k, v])  # one message per step\n"
         "    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)\n",
         "the running lse started at 0"),
+    "the source rank taken as (step - rank) mod N": (
+        "        source = (rank - step) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(",
+        "        source = (step - rank) % world_size\n        if ra.visible(positions[rank], positions[source], mask):\n"
+        "            block = ra.block_attention(", r"not \(s - rank\) mod N"),
+    "visibility asked with the keys' positions first": (
+        RING_SKIP + RING_BLOCK, "        if ra.visible(positions[source], positions[rank], mask):\n" + RING_BLOCK,
+        "the keys' positions first"),
     "a transfer after the last step too": (
         "        last = step == world_size - 1\n        if not last:\n            incoming = torch.empty_like(kv)\n"
         + START, "        last = False\n        if not last:\n            incoming = torch.empty_like(kv)\n" + START,
@@ -211,7 +227,9 @@ RING_MISTAKES = {  # checked on 3 ranks: on 2, rank + 1 and rank - 1 are the sam
 
 
 @pytest.mark.parametrize("mistake", cases(RING_MISTAKES, slow={"the block taken for rank + step's",
-                                                             "running lse started at 0"}))
+                                                             "running lse started at 0",
+                                                             "the source rank taken as (step - rank) mod N",
+                                                             "visibility asked with the keys' positions first"}))
 def test_ring_mistakes_are_named(mistake):
     old, new, hint = RING_MISTAKES[mistake]
     edits = {old: new}
@@ -245,6 +263,18 @@ DKV_WAIT = ("        for transfer in dkv_transfers + ([] if last else transfers)
             "        dkv = incoming_dkv\n")
 BACKWARD_START = "            transfers = [dist.isend(kv, send_to), dist.irecv(incoming, receive_from)]\n"
 BACKWARD_MISTAKES = {
+    "the key/value gradients passed the other way round": (
+        "        dkv_transfers = [dist.isend(dkv, send_to), dist.irecv(incoming_dkv, receive_from)]\n",
+        "        dkv_transfers = [dist.isend(dkv, receive_from), dist.irecv(incoming_dkv, send_to)]\n",
+        "travelled the other way round the ring"),
+    "the travelling gradients started from the keys and values": (
+        "    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)", "    dq, dkv = torch.zeros_like(q), kv.clone()",
+        "started from the keys and values themselves"),
+    "block_attention_backward given lse before out (a raw size error inside it)": (
+        "                grad_out, q, kv[0], kv[1], out, lse, positions[rank], positions[source], mask)\n",
+        "                grad_out, q, kv[0], kv[1], lse, out, positions[rank], positions[source], mask)\n",
+        r"rank \d: ring_attention_backward raised RuntimeError: The size of tensor a .*, at `.*`: tensors of different "
+        r"shapes met: ra.block_attention_backward takes \(grad_out, q, k, v, out, lse"),
     "gradients one step short of home": (
         "        incoming_dkv = torch.empty_like(dkv)\n",
         "        if last:\n            break\n        incoming_dkv = torch.empty_like(dkv)\n", "one step short"),
@@ -277,7 +307,9 @@ def test_ring_backward_written_another_way_passes():
     check_ring_attention_backward(SOLUTION.ring_attention_forward, other.ring_attention_backward, 3, world_sizes=())
 
 
-@pytest.mark.parametrize("mistake", cases(BACKWARD_MISTAKES, slow={"dq assigned, not added", "dk and dv swapped"}))
+@pytest.mark.parametrize("mistake", cases(BACKWARD_MISTAKES, slow={"dq assigned, not added", "dk and dv swapped",
+                                                   "the key/value gradients passed the other way round",
+                                                   "the travelling gradients started from the keys and values"}))
 def test_backward_mistakes_are_named(mistake):
     old, new, hint = BACKWARD_MISTAKES[mistake]
     wrong_one = wrong(old, new)
@@ -293,6 +325,10 @@ ZIGZAG = """    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
             for r in range(world_size)]
 """
 ZIGZAG_MISTAKES = {
+    "second chunk 2N - r, one past": (
+        ZIGZAG.replace("(2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk",
+                       "(2 * world_size - r) * chunk, (2 * world_size + 1 - r) * chunk"),
+        r"held: 8, by rank 0, whose chunks are \[0, 4\] of the 4 .*one off, 2N - r"),
     "chunks r and N + r": (
         "    return [torch.cat([torch.arange(r * chunk, (r + 1) * chunk),\n"
         "                       torch.arange((world_size + r) * chunk, (world_size + r + 1) * chunk)])\n"
@@ -339,6 +375,9 @@ TRAIN_MISTAKES = {
     "gradients not averaged": (AVERAGE, "        pass\n", "differs between the ranks"),
     "summed, not averaged": (AVERAGE, "        dist.all_reduce(p.grad)\n", "times the whole batch's"),
     # a library error inside the student's function, named (issue 43)
+    "each rank's loss divided by N, the gradients averaged too": (
+        FORWARD, FORWARD.replace("targets[:, mine])", "targets[:, mine]) / world_size"),
+        "1/2 of it: each rank's loss was divided by the world size N = 2"),
     "targets not sliced": (FORWARD, FORWARD.replace("targets[:, mine])", "targets)"),
                            "failed: ValueError: Expected input batch_size .*: the logits and the targets cover "
                            "different tokens"),
@@ -347,7 +386,8 @@ TRAIN_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", cases(TRAIN_MISTAKES, slow={"targets not sliced"}))
+@pytest.mark.parametrize("mistake", cases(TRAIN_MISTAKES, slow={"targets not sliced",
+                                                              "each rank's loss divided by N, the gradients averaged too"}))
 def test_training_mistakes_are_named(mistake):
     old, new, hint = TRAIN_MISTAKES[mistake]
     wrong_one = wrong(old, new)

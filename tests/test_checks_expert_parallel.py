@@ -154,6 +154,10 @@ Y_CAP = "    y = torch.zeros_like(x).index_add(0, tokens[kept], weights.flatten(
 CAPACITY_MISTAKES = {
     "nothing dropped": (KEPT, "    kept = place < len(x) * 10\n", "below capacity"),
     "capacity + 1 kept": (KEPT, "    kept = place <= capacity\n", "below capacity"),
+    "capacity - 1 kept": (KEPT, "    kept = place < capacity - 1\n", "capacity - 1 pairs, one short"),
+    "the kept pairs' weights taken in order": (Y_CAP, Y_CAP.replace("weights.flatten()[kept, None]",
+                                                                    "weights.flatten()[:int(kept.sum()), None]"),
+                                               "the kept pairs took the first weights in order, not their own"),
     "last come first served": (
         "    place = (F.one_hot(flat, num_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # its place in "
         "the queue\n",
@@ -189,7 +193,8 @@ CAPACITY_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", CAPACITY_MISTAKES)
+@pytest.mark.parametrize("mistake", cases(CAPACITY_MISTAKES, slow=("capacity - 1 kept",
+                                                                          "the kept pairs' weights taken in order")))  # as + 1, in the default run
 def test_capacity_mistakes_are_named(mistake):
     old, new, hint = CAPACITY_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):

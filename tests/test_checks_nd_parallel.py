@@ -6,12 +6,14 @@ the (2, 2) mesh, one step, where the data group, the tensor group and the world 
 import pytest
 
 from utils import nd_parallel as nd
+from utils.checks import nd_parallel as checks_nd
 from utils.checks.nd_parallel import (
     SIZES,
     check_context_parallel_nd,
     check_fsdp_tensor_parallel,
     check_mesh_position,
     check_pipeline_3d,
+    _layout_truth,
 )
 from utils.notebooks import solution
 from utils.transformer import TransformerSizes
@@ -23,6 +25,7 @@ NAME = "12_nd_parallel"
 STRIDES = "    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]\n"
 GROUPS = ("    groups = [[rank + (k - c) * stride for k in range(size)] for c, stride, size in zip(coordinates, "
           "strides, shape)]\n")
+COORDINATES = "    coordinates = tuple(rank // stride % size for stride, size in zip(strides, shape))\n"
 MESH_MISTAKES = {
     "column-major order": ({STRIDES: "    strides = [math.prod(shape[:i]) for i in range(len(shape))]\n"},
                            "column-major order"),
@@ -37,11 +40,46 @@ MESH_MISTAKES = {
     "right for (2, 2, 2) only": ({STRIDES: "    strides = [4, 2, 1]\n"}, "right for \\(2, 2, 2\\) only"),
     "groups in another order": ({"for k in range(size)] for c": "for k in reversed(range(size))] for c"},
                                 "another order"),
+    "coordinates without % size": ({COORDINATES: "    coordinates = tuple(rank // stride for stride in strides)\n"},
+                                   "without the % size_i"),
+    "coordinates as rank % size, no stride": ({COORDINATES: "    coordinates = tuple(rank % size for size in shape)\n"},
+                                              "rank % size_i is the last dimension's coordinate only"),
+    "the coordinates' mistake with groups built another way": (
+        {COORDINATES: "    coordinates = tuple(rank % size for size in shape)\n",
+         GROUPS: "    position = lambda r: tuple(r % size for size in shape)\n"
+                 "    groups = [[r for r in range(math.prod(shape)) if all(a == b for j, (a, b) in "
+                 "enumerate(zip(position(r), coordinates)) if j != i)] for i in range(len(shape))]\n"},
+        "the coordinates: rank % size_i is the last dimension's coordinate"),
+    "stride = the next size alone": (
+        {STRIDES: "    strides = [shape[i + 1] if i + 1 < len(shape) else 1 for i in range(len(shape))]\n"},
+        r"mesh_position\(\d+, \(2, 3, 2\)\).*the product of ALL the sizes after it, not the next size alone"),
+    "stride counting its own size": ({STRIDES: STRIDES.replace("shape[i + 1:]", "shape[i:]")},
+                                     "the product of the sizes AFTER it, not from it"),
+    "groups stepping by 1": ({GROUPS: GROUPS.replace("(k - c) * stride", "(k - c)")}, "each group steps by 1"),
+    "groups without the rank itself": ({GROUPS: GROUPS.replace("for k in range(size)]", "for k in range(size) if k != c]")},
+                                       "each group leaves this rank out"),
+    "groups one rank short": ({GROUPS: GROUPS.replace("range(size)", "range(size - 1)")}, "stops one rank short"),
+    "three dimensions written in": ({COORDINATES: "    coordinates = tuple(rank // strides[i] % shape[i] for i in range(3))\n"},
+                                    r"raised IndexError: .*loop over len\(shape\)"),
 }
 
 
+ON_RANKS = ("column-major order", "groups that share the coordinate", "groups of consecutive ranks",
+            "right for (2, 2, 2) only")  # with init_device_mesh on 2 ranks; the others with its layout, in this process
+
+
+@pytest.fixture
+def layout_for_ranks(monkeypatch):
+    """The check's ranks replaced by DeviceMesh's layout (which the check asserts they build): no spawn."""
+    def ranks(fn, n, shapes, timeout):
+        return [[_layout_truth(shape)[rank] for shape in shapes] for rank in range(n)]
+    monkeypatch.setattr(checks_nd, "spawn", ranks)
+
+
 @pytest.mark.parametrize("mistake", MESH_MISTAKES)
-def test_mesh_mistakes_are_named(mistake):
+def test_mesh_mistakes_are_named(mistake, request):
+    if mistake not in ON_RANKS:
+        request.getfixturevalue("layout_for_ranks")
     replace, hint = MESH_MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):
         check_mesh_position(solution(NAME, replace=replace).mesh_position, 2)
@@ -58,6 +96,28 @@ def test_mesh_position_written_with_numpy_passes(capsys):
 """})
     check_mesh_position(module.mesh_position, 2)
     assert "equal init_device_mesh's on 2 ranks" in capsys.readouterr().out
+
+
+def test_mesh_position_written_with_a_tensor_and_with_divmod_passes(layout_for_ranks, capsys):
+    """init_device_mesh's own layout, torch.arange(W).view(shape), indexed; and the coordinates peeled off from the
+    last dimension with divmod, each group from its first rank: right answers written another way."""
+    with_tensor = solution(NAME, replace={STRIDES + COORDINATES + GROUPS: """    mesh = torch.arange(math.prod(shape)).view(shape)
+    coordinates = tuple((mesh == rank).nonzero()[0])
+    groups = [mesh[coordinates[:i] + (slice(None),) + coordinates[i + 1:]] for i in range(len(shape))]
+"""})
+    check_mesh_position(with_tensor.mesh_position, 2)
+    with_divmod = solution(NAME, replace={STRIDES + COORDINATES + GROUPS: """    rest, coordinates = rank, []
+    for size in reversed(shape):
+        rest, c = divmod(rest, size)
+        coordinates.insert(0, c)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    groups = []
+    for c, stride, size in zip(coordinates, strides, shape):
+        first = rank - c * stride
+        groups.append(list(range(first, first + size * stride, stride)))
+"""})
+    check_mesh_position(with_divmod.mesh_position, 2)
+    assert capsys.readouterr().out.count("equal init_device_mesh's on 2 ranks") == 2
 
 
 def test_a_mesh_that_does_not_fill_the_world_is_refused():
@@ -149,6 +209,16 @@ def test_2d_mistakes_are_named(mistake):
         check_2d(solution(NAME, replace=replace))
 
 
+@pytest.mark.slow  # 3 s: two meshes
+def test_2d_divided_by_the_tensor_size_is_named_where_it_differs_from_the_data_size():
+    """On (2, 2) the tensor group's size is the data group's: the mistake shows on (1, 4), where both the world's and
+    the tensor group's size are 4 (both named)."""
+    module = solution(NAME, replace={"        grad /= data_parallel\n": "        grad /= dist.get_world_size(tensor_group)\n"})
+    with pytest.raises(AssertionError, match=r"on mesh \(data, tensor\) = \(1, 4\).*divided by the world size or the "
+                                             r"tensor size \(4\) instead of the data size \(1\)"):
+        check_2d(module, mesh_shapes=[(2, 2), (1, 4)])
+
+
 @pytest.mark.slow  # 2.3 s: two meshes
 def test_2d_right_only_on_the_default_mesh_is_named():
     """/ 2 written in: right on (2, 2), wrong on (1, 4); the check says it passed the first mesh."""
@@ -201,6 +271,11 @@ def test_the_check_refuses_bad_sizes_before_any_rank_starts():
 
 THREE_D = dict(world_size=4, num_steps=1)
 PIPELINE_MISTAKES = {
+    "the output's gradient received from the previous stage (None on the first: any source, right on 2 stages)": (
+        {"                dist.recv(grad, following, group=pipeline)\n":
+         "                dist.recv(grad, previous, group=pipeline)\n"}, "names no peer \\(None: from any rank\\)"),
+    "the returned loss divided by m again": ({"                loss += y.item()\n": "                loss += y.item() / m\n"},
+                                             "the loss returned is 1/2 of one process's at every step"),
     "peer rank - 1 (the tensor neighbour)": (
         {"    previous = rank - tensor_parallel if stage > 0 else None":
              "    previous = rank - 1 if stage > 0 else None",
@@ -280,7 +355,9 @@ PIPELINE_MISTAKES = {
 
 
 # about 2 s each under load (the right ones pass (2, 2, 1) first): these under pytest -m slow
-PIPELINE_SLOW = ("the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
+PIPELINE_SLOW = ("the returned loss divided by m again",
+                 "the output's gradient received from the previous stage (None on the first: any source, right on 2 "
+                 "stages)", "the loss share not divided by T", "sync over data x pipeline", "sync over the whole world",
                  "LM head on the first stage", "the hidden states received into a buffer shaped like the tokens",
                  "groups read by a name the mesh does not have", "the pipeline neighbour P ranks away, not T")
 

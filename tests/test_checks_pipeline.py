@@ -307,7 +307,7 @@ def test_notebook_12_solution_passes_every_check(schedules_right, capsys):
 
 @pytest.mark.slow
 def test_notebook_12_solution_passes_on_more_ranks(schedules_right):
-    check_12("interleaved", schedules_right, 4)
+    check_12("interleaved", schedules_right, 4, num_layers=8, num_micro_batches=4)
     check_12("zb-h1", schedules_right, 3)
 
 
@@ -351,6 +351,10 @@ I_LOOP = "    for kind, chunk, i in order(rank, p, len(pieces), num_micro_batche
 Z_LOOP = "    for kind, i in pp.zb_h1_order(stage.rank, stage.world_size, num_micro_batches):\n"
 Z_B = "            dx = backward_input(x, y, grad)\n"
 Z_W = "            _, y, grad = alive.pop(i)\n            backward_weight(stage, y, grad)\n"
+I_RECV_GRAD = "            grad = torch.empty_like(y)\n            dist.recv(grad, src=(rank + 1) % p)\n"
+I_RECV_INPUT = "                x = torch.empty_like(micro_batches[i])\n                dist.recv(x, src=(rank - 1) % p)\n"
+Z_SEND_B = "            if not stage.is_first:\n                sends.append(dist.isend(dx, dst=stage.rank - 1))\n"
+Z_RECV_GRAD = "                grad = torch.empty_like(y)\n                dist.recv(grad, src=stage.rank + 1)\n"
 
 WRONG_12 = {
     "split": [
@@ -373,6 +377,10 @@ WRONG_12 = {
          {W_SPLIT: "    torch.autograd.backward(y, grad)\n"},
          r"the backward calls, as autograd saw them, were B W; expected B W|were B B; expected B W: W must compute "
          r"only the weights' gradients"),
+        ("W back-propagates y.sum(), not the gradient it was given",
+         {W_SPLIT: "    torch.autograd.backward(y.sum(), inputs=list(stage.parameters()))\n"},
+         r"backward_weight|B then W on the first piece .*: after W, layers.0.linear.weight.grad is what a gradient of ones "
+         r"gives \(y.sum\(\)'s backward\)"),
         ("B returns the gradient it was given",
          {B_SPLIT: "    return grad\n"},
          r"backward_input on the middle piece .*: returned the gradient it was given, not the input's"),
@@ -415,6 +423,9 @@ WRONG_12 = {
           "            loss = y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
           "            dist.recv(grad, src=(rank + 1) % p)"},
          r"the loss returned at step 0 is .*that is the last micro-batch's loss alone: the loss was overwritten"),
+        ("the returned loss divided by m again",
+         {"    return loss if pieces[-1].is_last else None": "    return loss / num_micro_batches if pieces[-1].is_last else None"},
+         r"the loss returned at step 0 is .*: 1/2 of it: the sum was divided again"),
         ("the loss added up in float32 (students' list: the message printed two numbers that look equal)",
          {"            loss = loss + y.detach()\n        else:\n            grad = torch.empty_like(y)\n"
           "            dist.recv(grad, src=(rank + 1) % p)":
@@ -437,6 +448,24 @@ WRONG_12 = {
          r"interleaved_step on rank 0 of 2, 2 pieces each, 2 micro-batches: a blocking dist.recv from rank 1 where the "
          r"table's next hand-off on this rank is a send: F0.1's output, to the next piece's rank. Was that send "
          r"skipped\?"),
+        ("the input's gradient not sent back: a send skipped in the backward",
+         {"        if not piece.is_first:\n" + I_SEND_GRAD: ""},
+         r"interleaved_step on rank 1 of 2, 2 pieces each, 2 micro-batches: a blocking dist.recv from rank 0 where "
+         r"the table's next hand-off on this rank is a send: B0.1's input gradient, to the previous piece's rank. Was "
+         r"that send skipped\?"),
+        ("the input's gradient sent back for micro-batches after the first only, on 3 ranks",
+         {"        if not piece.is_first:\n" + I_SEND_GRAD: "        if not piece.is_first and i > 0:\n" + I_SEND_GRAD},
+         r"interleaved_step on rank 2 of 3, 2 pieces each, 3 micro-batches: a blocking dist.recv from rank 1 where "
+         r"the table's next hand-off on this rank is a send: B0.1's input gradient.* Was that send skipped\?",
+         THREE_RANKS),
+        ("the output's gradient not received: a buffer of ones back-propagated",
+         {I_RECV_GRAD: "            grad = torch.ones_like(y)\n"},
+         r"interleaved_step on rank 0 of 2.*: dist.isend of B0.1's input gradient, to the previous piece's rank before "
+         r"its receive, B0.1's output gradient, from the next piece's rank: was that receive skipped\?"),
+        ("the input not received: a buffer never filled",
+         {I_RECV_INPUT: "                x = torch.empty_like(micro_batches[i])\n"},
+         r"interleaved_step on rank \d of 2.*: dist.isend of F0.\d's output.* before its receive, F0.\d's input, from "
+         r"the previous piece's rank: was that receive skipped\?"),
         ("the table not followed: all forwards, then all backwards",
          {I_LOOP: I_LOOP.replace("order(rank, p, len(pieces), num_micro_batches)",
                                  'sorted(order(rank, p, len(pieces), num_micro_batches), key=lambda a: a[0] == "B")')},
@@ -472,6 +501,13 @@ WRONG_12 = {
          {"            if not stage.is_first:\n                sends.append(dist.isend(dx, dst=stage.rank - 1))\n":
           "            sends.append(dist.isend(dx, dst=stage.rank - 1))\n"},
          r"zb_h1_step on rank 0 of 2.*: dist.isend with rank -1, which does not exist"),
+        ("B's result not sent back: a send skipped",
+         {Z_SEND_B: ""},
+         r"zb_h1_step on rank 1 of 2, 1 micro-batch: sent 0 message\(s\) in one step; expected 1.*the calls stopped "
+         r"short of the table's send B0's input gradient, to the previous piece's rank \(rank 0\): was it skipped\?"),
+        ("B's result not sent back on 3 ranks",
+         {Z_SEND_B: ""},
+         r"zb_h1_step on rank 2 of 3, 1 micro-batch: sent 0 message\(s\).*the table's send B0's input gradient", 3),
         ("the received input not made to require grad: B returns None",
          {"                dist.recv(x, src=stage.rank - 1)\n                x.requires_grad_()\n":
           "                dist.recv(x, src=stage.rank - 1)\n"},
@@ -480,13 +516,30 @@ WRONG_12 = {
 }
 
 
-@pytest.mark.parametrize("exercise, what, edit, hint, world_size", [(e, *w, 2)[:5] for e, ws in WRONG_12.items()
-                                                                     for w in ws],
-                         ids=[f"{e}: {w[0]}" for e, ws in WRONG_12.items() for w in ws])
+SLOW_12 = ("the input's gradient sent back for micro-batches after the first only, on 3 ranks",
+           "B's result not sent back on 3 ranks",  # their 2-rank twins show the same hint in the default run
+           "the input not received: a buffer never filled",  # as the output's gradient not received
+           "the returned loss divided by m again")  # 1.4 s: a loss check the float32 and overwrite entries run
+
+
+@pytest.mark.parametrize("exercise, what, edit, hint, world_size", [
+    pytest.param(*(e, *w, 2)[:5], marks=[pytest.mark.slow] * (w[0] in SLOW_12)) for e, ws in WRONG_12.items()
+    for w in ws], ids=[f"{e}: {w[0]}" for e, ws in WRONG_12.items() for w in ws])
 def test_notebook_12_each_wrong_answer_fails_with_its_hint(exercise, what, edit, hint, world_size):
     sizes = world_size if isinstance(world_size, dict) else {"world_size": world_size}
     with pytest.raises(AssertionError, match=hint):
         check_12(exercise, solution(SCHEDULES_NOTEBOOK, replace=edit), timeout=HANG * 3, **sizes)
+
+
+@pytest.mark.slow  # 2.5 s: the check's timeout
+def test_notebook_12_a_receive_skipped_where_no_send_follows_is_named_from_the_journals():
+    """The first stage's B sends nothing back, so its skipped receive shows only when the ranks stall: the journals
+    of their sends and receives name it, not a bare timeout."""
+    skipped = solution(SCHEDULES_NOTEBOOK, replace={Z_RECV_GRAD: "                grad = torch.ones_like(y)\n"})
+    with pytest.raises(AssertionError, match=r"zb_h1_step on 2 ranks: ranks waited for a message in vain, and their "
+                                             r"sends and receives do not pair up: rank 0 never received B0's output "
+                                             r"gradient \(m = 1, step 0\), which rank 1 sent \(a receive skipped\?\)"):
+        check_12("zb-h1", skipped, timeout=HANG)
 
 
 @pytest.mark.slow  # 3.4 s: the check's timeout

@@ -52,6 +52,10 @@ MISTAKES = {
     "reduce-scatter divided by N": ({"        return reduce_scatter_sequence(x)\n":
                                      "        return reduce_scatter_sequence(x) / dist.get_world_size()\n"},
                                     "the mean over ranks"),
+    "reduce-scatter's list in reverse rank order": (
+        {REDUCE_SCATTER: REDUCE_SCATTER.replace("list(x.chunk(dist.get_world_size(), dim=1))",
+                                                "list(x.chunk(dist.get_world_size(), dim=1))[::-1]")},
+        "rank N-1-r's chunk of the sum, not this rank's"),
     "reduce-scatter along the batch": ({REDUCE_SCATTER: REDUCE_SCATTER.replace("dim=1", "dim=0")}, "batch"),
     "reduce-scatter forward an all-reduce, then its chunk": (
         {"        return reduce_scatter_sequence(x)\n":
@@ -86,8 +90,9 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m == "all-gather into N + 1 buffers"
-                                     else m for m in MISTAKES])  # 1-2 s each: the second gloo failure under -m slow
+@pytest.mark.parametrize("mistake", [pytest.param(m, marks=pytest.mark.slow) if m in (
+    "all-gather into N + 1 buffers", "reduce-scatter's list in reverse rank order") else m for m in MISTAKES])
+# 1-2 s each: the second gloo failure, and a list reversed (named as the other candidates are), under -m slow
 def test_mistakes_are_named(mistake):
     replace, hint = MISTAKES[mistake]
     with pytest.raises(AssertionError, match=hint):

@@ -17,6 +17,7 @@ from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_dif
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
 from utils.launch import RankError, runnable_world_sizes
+from utils.nd_parallel.communication import raised_in
 from utils.transformer import (
     TransformerSizes,
     build_transformer,
@@ -87,6 +88,12 @@ def _merge_mistakes(out_a, lse_a, out_b, lse_b):
                                              "keeps exp from overflowing"),
         (lse_a, "lse", "the lse returned is the running one, not updated with the block's"),
         (lse_a + lse_b, "lse", "the lse's are added: the merged one is log(exp(lse_a) + exp(lse_b))"),
+        (out_b, "out", "the block's out replaced the running one: combine the two, each weighted by exp(lse_block - "
+                       "lse_merged)"),
+        (out_a, "out", "the running out was returned unchanged: the block's out was never combined into it"),
+        (torch.exp(lse_a)[..., None] * out_a + torch.exp(lse_b)[..., None] * out_b, "out",
+         "the weights are exp(lse_block), not exp(lse_block - lse_merged): they must be each block's share of the "
+         "merged denominator, adding up to 1 (and never exponentiate an lse itself: it overflows)"),
     ]
 
 
@@ -278,7 +285,11 @@ def _ring_main(rank, world_size, forward, backward, mask, positions):
 
         calls = []
         with traced_blocks(calls, clock), intercept(clock=clock) as log:
-            got = run()
+            try:
+                got = run()
+            except Exception as e:  # a library's error inside the student's ring: said with its line and cause
+                hint = next((h for words, h in RING_ERRORS if words in str(e)), "")
+                raise AssertionError(f"rank {rank}: " + str(raised_in(f"ring_attention_{phase}", e, hint))) from e
         result[phase] = got
         result[phase + " log"] = [(c.name, c.nbytes, c.blocking, c.started_at, c.waited_at) for c in log]
         result[phase + " blocks"] = [(kp, t) for kind, _, kp, t in calls if kind == phase]
@@ -295,11 +306,12 @@ def _simulated_ring(q, k, v, positions, mask, variant):
         for step in range(world_size):
             source = (rank - step) % world_size
             held = (rank + step) % world_size if variant == "other direction" else source
-            k_positions = mine if variant.startswith("own positions") else positions[source]
+            named = (step - rank) % world_size if variant == "step - rank" else source  # whose block it is taken for
+            k_positions = mine if variant.startswith("own positions") else positions[named]
             if variant == "own block only" and step:
                 continue
-            seen = k_positions if variant == "own positions everywhere" else positions[source]
-            if not ra.visible(mine, seen, mask):
+            seen = k_positions if variant == "own positions everywhere" else positions[named]
+            if not (ra.visible(seen, mine, mask) if variant == "visibility reversed" else ra.visible(mine, seen, mask)):
                 continue
             block = ra.block_attention(q[..., mine, :], k[..., positions[held], :], v[..., positions[held], :],
                                        mine, k_positions, mask)
@@ -322,6 +334,12 @@ RING_MISTAKES = {
                        "sending to rank + 1 and receiving from rank - 1, step s holds rank (rank - s) mod N's block; "
                        "either the source was taken as rank (rank + s) mod N, or the blocks were sent to rank - 1 "
                        "(on 2 ranks the two are the same rank, so only 3 or more show it)",
+    "step - rank": "the block held at step s came from rank (rank - s) mod N, not (s - rank) mod N: its positions "
+                   "were taken from the wrong rank (the two agree on rank 0, and on 2 ranks everywhere: only 3 or "
+                   "more show it)",
+    "visibility reversed": "ra.visible was asked with the keys' positions first: visible(q_positions, k_positions, "
+                           "mask) takes this rank's queries' positions, then the block's keys' (positions[rank], "
+                           "positions[source]); reversed, a rank skips the earlier blocks it sees and keeps the later",
     "zero start": "the running lse started at 0 (out at 0): that counts a score of 0 in every softmax, exp(0) = 1 more "
                   "in its denominator; start from the first block's (out, lse)",
 }
@@ -376,7 +394,24 @@ def _raise(n, mask, problem):
         raise AssertionError(f"{n} ranks, mask {mask!r}: {problem}")
 
 
+RING_ERRORS = [  # (words in the error, what in the student's ring usually causes it)
+    ("must match the size", ": tensors of different shapes met: ra.block_attention_backward takes (grad_out, q, k, v, "
+                            "out, lse, q_positions, k_positions, mask), out and lse the forward's, and returns (dq, "
+                            "dk, dv); ra.block_attention takes (q, k, v, q_positions, k_positions, mask): check the "
+                            "order of the arguments"),
+]
+
+
 def _spawn_ring(forward, backward, positions, mask, timeout):
+    try:
+        return _spawn_ring_ranks(forward, backward, positions, mask, timeout)
+    except RankError as e:  # a rank's AssertionError (the student's function raised): said here
+        if e.summary.startswith("AssertionError: "):
+            raise AssertionError(e.summary.removeprefix("AssertionError: ")) from None
+        raise
+
+
+def _spawn_ring_ranks(forward, backward, positions, mask, timeout):
     return spawn_explaining_stalls(
         _ring_main, len(positions), forward, backward, mask, positions, timeout=timeout,
         hint=("the ring stalls: some rank waits for a block that never comes. Each rank sends to rank + 1 and "
@@ -414,8 +449,9 @@ def _ring_forward_checked(forward, positions, mask, timeout):
             everyone = torch.empty_like(q)
             for r, other in enumerate(results):
                 everyone[..., positions[r], :] = other["forward"][0]
-            hint = confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)
-                                         for variant, h in RING_MISTAKES.items()])
+            fits = [h for variant, h in RING_MISTAKES.items()  # every mistake that gives these numbers, named
+                    if confirmed(everyone, [(_simulated_ring(q, k, v, positions, mask, variant), h)])]
+            hint = "; or ".join(dict.fromkeys(fits)) or None
             if hint is None and mask == "causal" and close(everyone, ra.reference_attention(q, k, v, "none")[0]):
                 hint = "no causal mask was applied: pass the mask to block_attention"
             raise AssertionError(f"{n} ranks, mask {mask!r}: rank {rank}'s out differs from plain attention at its "
@@ -508,6 +544,23 @@ def _backward_hint(name, value, full_grads, rank, positions, q, k, v, grad_out, 
         candidates.append((full_grad[..., positions[following], :],
                            f"it is rank {following}'s {name}: the key/value gradients stopped one step short; after "
                            f"the last step they travel once more, home to their owner"))
+        # the gradients passed the other way round (to rank - 1): block j's gradient buffer visits j, j - 1, ... and
+        # ends at rank j + 1 (a direction right on 2 ranks only)
+        if n > 2:
+            buffers = [0] * n
+            for step in range(n):
+                buffers = [b + (share(r, (r - step) % n) if ra.visible(positions[r], positions[(r - step) % n], mask)
+                                else 0) for r, b in enumerate(buffers)]
+                buffers = buffers[1:] + buffers[:1]  # rank r receives rank r + 1's
+            candidates.append((buffers[rank] + torch.zeros_like(full_grad[..., mine, :]),
+                               "the key/value gradients travelled the other way round the ring: they must follow "
+                               "their block (isend to rank + 1, irecv from rank - 1) to come home; sent to rank - 1, "
+                               "each rank ends with another rank's (on 2 ranks both ways lead home: only 3 or more "
+                               "show it)"))
+        start = (k, v)[which - 1][..., mine, :]
+        candidates.append((full_grad[..., mine, :] + start, "the travelling key/value gradients started from the keys "
+                                                            "and values themselves, not from zeros: dkv = "
+                                                            "torch.zeros_like(kv)"))
         # every block's share added into one buffer that never moves
         kept = sum(x for j in range(n) if (x := share(rank, j)) is not None)
         candidates.append((kept, "the key/value gradients did not travel: each block's share belongs to the rank the "
@@ -543,7 +596,12 @@ def _layout_problem(got, seq_len, n):
     held = torch.cat(list(got))
     counts = torch.bincount(held.clamp(0, seq_len), minlength=seq_len + 1)
     if held.min() < 0 or held.max() >= seq_len:
-        return f"a position outside the sequence 0..{seq_len - 1} is held: {held[(held < 0) | (held >= seq_len)][0]}"
+        outside = held[(held < 0) | (held >= seq_len)][0].item()
+        rank = next(r for r, mine in enumerate(got) if (mine == outside).any())
+        first = [p // chunk for p in got[rank].tolist()]
+        return (f"a position outside the sequence 0..{seq_len - 1} is held: {outside}, by rank {rank}, whose chunks "
+                f"are {sorted(set(first))} of the {2 * n} (0..{2 * n - 1}): zigzag gives rank r chunks r and 2N-1-r "
+                f"({rank} and {2 * n - 1 - rank})" + (": one off, 2N - r" if max(first) == 2 * n - rank else ""))
     if (counts[:seq_len] != 1).any():
         position = (counts[:seq_len] != 1).nonzero()[0].item()
         owners = [r for r, mine in enumerate(got) if (mine == position).any()]
@@ -661,7 +719,10 @@ def check_context_parallel_training(forward_backward, ring_attention, world_size
                 local = _rope_at(positions, TRAIN_SIZES)
                 hint = (": RoPE rotated each token by its position within its rank's chunk; pass the chunk's "
                         "global positions to the model (model(tokens, positions)), as the ring masks by them"
-                        if abs(mean_first - local) < TOLERANCE else "")
+                        if abs(mean_first - local) < TOLERANCE else
+                        f": 1/{n} of it: each rank's loss was divided by the world size N = {n}; a rank's loss is the "
+                        f"mean over its own tokens (lm_loss), and the mean over the ranks is the gradients' (all-reduce "
+                        f"then / N, once)" if abs(mean_first * n - want_losses[0]) < TOLERANCE * n else "")
                 raise AssertionError(f"{case}: step 0's loss, averaged over the ranks, is {mean_first:.12g}; one "
                                      f"process's is {want_losses[0]:.12g}{hint}")
             problem = _gradient_hint(runs, want_grads, n)

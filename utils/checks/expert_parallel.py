@@ -228,6 +228,9 @@ def _kept_mistakes(index, num_experts, capacity, world_size):
                                                    "rank's pairs"),
         (per_rank(lambda g: ep.within_capacity(g, num_experts, capacity + 1)),
          "each expert kept capacity + 1 pairs: places in an expert's queue count from 0, keep place < capacity"),
+        (per_rank(lambda g: ep.within_capacity(g, num_experts, capacity - 1)),
+         "each expert kept capacity - 1 pairs, one short: places in an expert's queue count from 0 to capacity - 1, "
+         "keep place < capacity"),
         (per_rank(lambda g: ep.within_capacity(g.flip(0), num_experts, capacity).flip(0)),
          "each expert kept its last pairs: the rule is first come, first served, in token order"),
         (per_rank(lambda g: ep.within_capacity(g.T.contiguous(), num_experts, capacity).T),
@@ -259,6 +262,17 @@ def _unpermuted(index, weights):
     for g, w in zip(index.split(TOKENS), weights.split(TOKENS)):
         order = g.flatten().argsort(stable=True)
         wrong.append(torch.empty_like(w.flatten()).index_copy(0, order, w.flatten()).view(w.shape))
+    return torch.cat(wrong)
+
+
+def _kept_in_order(weights, kept):
+    """The weights each kept pair gets when a rank's first kept.sum() weights are handed to its kept pairs in
+    order, not each pair's own: weights.flatten()[:n] where weights.flatten()[kept] was meant."""
+    wrong = []
+    for w, k in zip(weights.split(TOKENS), kept.split(TOKENS)):
+        flat = torch.zeros_like(w.flatten())
+        flat[k.flatten()] = w.flatten()[:int(k.sum())]
+        wrong.append(flat.view(w.shape))
     return torch.cat(wrong)
 
 
@@ -324,7 +338,10 @@ def _check_dispatch(name, results, want, world_size, num_experts, top_k, capacit
                       (_unpermuted(index, weights), "the combine weights were not permuted with their tokens: the "
                                                     "results come back in expert order, so take the weights in that "
                                                     "order too (weights.flatten()[order]); with top-1 every weight "
-                                                    "is 1, so only top-k > 1 shows it")]
+                                                    "is 1, so only top-k > 1 shows it"),
+                      (_kept_in_order(weights, kept), "the kept pairs took the first weights in order, not their own: "
+                                                      "a pair's weight goes with it (weights.flatten()[kept], in the "
+                                                      "order of the pairs' results)")]
         for w, hint in candidates:
             value, _ = ep.moe_reference(x, index, w, moe.experts, num_experts, capacity, world_size)
             if close(got, value.detach()):

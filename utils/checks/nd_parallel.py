@@ -66,12 +66,35 @@ def _position(rank, shape, strides):
     return coordinates, groups
 
 
+def _groups(rank, coordinates, shape, strides):
+    """Each dimension's group as the right formula builds it from these coordinates (right or not)."""
+    return [[rank + (k - c) * stride for k in range(size)] for c, stride, size in zip(coordinates, strides, shape)]
+
+
+def _coordinate_mistakes(rank, shape):
+    """(coordinates, the strides its groups step by, hint) of each usual mistake in the coordinates or strides."""
+    strides = _strides(shape)
+    next_size = [shape[i + 1] if i + 1 < len(shape) else 1 for i in range(len(shape))]
+    own_size = [math.prod(shape[i:]) for i in range(len(shape))]
+    return [(tuple(rank // stride for stride in strides), strides, "coordinate i is rank // stride_i % size_i: "
+             "without the % size_i, a dimension after the first counts past its size"),
+            (tuple(rank % size for size in shape), strides, "rank % size_i is the last dimension's coordinate only: "
+             "divide by the stride first, rank // stride_i % size_i"),
+            (_position(rank, shape, next_size)[0], next_size, "dimension i's stride is the product of ALL the sizes "
+             "after it, not the next size alone"),
+            (_position(rank, shape, own_size)[0], own_size, "dimension i's stride is the product of the sizes AFTER "
+             "it, not from it (the last dimension's stride is 1)")]
+
+
 def _mesh_mistakes(rank, shape):
     """(coordinates, groups, hint) of each usual mistake, for this rank and shape."""
     row_major = _strides(shape)
     column_major = [math.prod(shape[:i]) for i in range(len(shape))]
     coordinates, groups = _position(rank, shape, row_major)
     world = math.prod(shape)
+    by_one = [[rank + (k - c) for k in range(size)] for c, size in zip(coordinates, shape)]
+    others = [[r for r in group if r != rank] for group in groups]
+    short = [group[:-1] for group in groups]
     complement = [[r for r in range(world) if _position(r, shape, row_major)[0][i] == c]
                   for i, c in enumerate(coordinates)]
     consecutive = [[rank - rank % size + k for k in range(size)] for size in shape]
@@ -84,7 +107,14 @@ def _mesh_mistakes(rank, shape):
                  "dimension; a group is the ranks that differ from it in that coordinate only (it varies, the others "
                  "stay fixed)"),
                 (coordinates, consecutive, "each group is a run of consecutive ranks: only the last dimension's is; "
-                 "dimension i's group steps by its stride")]
+                 "dimension i's group steps by its stride"),
+                (coordinates, by_one, "each group steps by 1 from this rank: dimension i's group steps by its stride, "
+                 "rank + (k - c_i) · stride_i"),
+                (coordinates, others, "each group leaves this rank out: a group holds every rank of its dimension, "
+                 "this one too"),
+                (coordinates, short, "each group stops one rank short: k runs over range(size_i), all size_i values "
+                 "of the coordinate")]
+    mistakes += [(c, _groups(rank, c, shape, strides), hint) for c, strides, hint in _coordinate_mistakes(rank, shape)]
     if len(shape) <= 3:
         mistakes.append((*_position(rank, shape, (4, 2, 1)[:len(shape)]), f"right for (2, 2, 2) only: strides 4, 2, "
                          f"1 written in; compute them from the shape {tuple(shape)}"))
@@ -102,7 +132,13 @@ def _mesh_problem(mesh_position, shape, truth, source):
     answers = {}
     for rank in range(math.prod(shape)):
         try:
-            answers[rank] = _as_answer(mesh_position(rank, shape))
+            answer = mesh_position(rank, shape)
+        except Exception as e:  # raised in the student's code: said with its cause
+            dims = (f": the shape {shape} has {len(shape)} dimension{'s' * (len(shape) != 1)}; loop over len(shape) "
+                    f"(zip(strides, shape)), not a fixed 3" if isinstance(e, IndexError) else "")
+            return f"mesh_position({rank}, {shape}) raised {type(e).__name__}: {e}{dims}"
+        try:
+            answers[rank] = _as_answer(answer)
         except (TypeError, ValueError) as e:
             return f"mesh_position({rank}, {shape}) returned something that is not (coordinates, groups): {e}"
     wrong = [rank for rank, got in answers.items() if got != truth[rank]]
@@ -114,8 +150,15 @@ def _mesh_problem(mesh_position, shape, truth, source):
         return (f"{where}: the same ranks in another order: list each group in increasing rank order (the order "
                 f"of the coordinate that varies)")
     mistakes = {r: _mesh_mistakes(r, shape) for r in answers}
-    hint = next((mistakes[rank][i][2] for i in range(len(mistakes[rank]))
-                 if all(mistakes[r][i][:2] == answers[r] for r in answers)), None)
+    fits = list(dict.fromkeys(mistakes[rank][i][2] for i in range(len(mistakes[rank]))
+                              if all(mistakes[r][i][:2] == answers[r] for r in answers)))
+    hint = fits[0] if len(fits) == 1 else (f"on this shape {len(fits)} mistakes give these values: "
+                                          + "; OR ".join(fits)) if fits else None
+    if hint is None and any(a[0] != truth[r][0] for r, a in answers.items()):  # the coordinates' mistake, whatever
+        named = {r: _coordinate_mistakes(r, shape) for r in answers}
+        hint = next((named[rank][i][2] for i in range(len(named[rank]))
+                     if all(named[r][i][0] == answers[r][0] for r in answers)), None)
+        hint = hint and f"the coordinates: {hint}"
     return where + (f": {hint}" if hint else "")
 
 
@@ -265,6 +308,12 @@ def _check_trained(got, got_losses, weights, losses, mesh, question=""):
     """After the run's steps, whose first step's gradients were right: its weights and losses against one process's
     (1e-12), an AssertionError saying which differ (and `question`) if they do not."""
     wrong = [name for name, w in weights.items() if not close(got[name], w)]
+    ratio = {round(b / a, 9) for a, b in zip(got_losses, losses) if a}
+    if not wrong and len(ratio) == 1 and (k := ratio.pop()) != 1 and k == round(k):
+        raise AssertionError(f"on mesh {mesh}: the gradients and the weights are right, but the loss returned is 1/"
+                             f"{k:.0f} of one process's at every step ({[round(x, 6) for x in got_losses]} against "
+                             f"{[round(x, 6) for x in losses]}): the loss returned was divided again (each micro-"
+                             f"batch's share is already divided by m; the ranks' shares add up): return their sum")
     if wrong or max(abs(a - b) for a, b in zip(got_losses, losses)) > 1e-12:
         raise AssertionError(f"on mesh {mesh}: the first step's gradients are right, but after {len(losses)} steps "
                              f"the losses {[round(x, 6) for x in got_losses]} (one process: "
@@ -321,8 +370,9 @@ def _gradient_mistakes(runs, run, name, want, mesh, grads):
                     f"each rank holds a part of the gradient")
         mistakes.append((data_mean, hint))
     if world != data_parallel and _scaled_everywhere(run, grads, mesh, data_parallel / world):
-        mistakes.append((want * data_parallel / world, f"divided by the world size ({world}) instead of the data "
-                                                      f"size ({data_parallel}): the tensor ranks' shares add up, only "
+        which = f"the world size ({world})" if data_parallel > 1 else f"the world size or the tensor size ({world})"
+        mistakes.append((want * data_parallel / world, f"divided by {which} instead of the data size "
+                                                      f"({data_parallel}): the tensor ranks' shares add up, only "
                                                       f"the data group's copies are averaged"))
     if data_parallel > 1 and _scaled_everywhere(run, grads, mesh, data_parallel):
         mistakes.append((want * data_parallel, f"it is {data_parallel} times too large: the sum over the data group, "

@@ -23,8 +23,10 @@ Notebook 11 (schedules past 1F1B):
   against the schedule's table (`pp.interleaved_order`, `pp.zb_h1_order`), its messages against the
   count, every send an isend in flight, and (ZB-H1) the micro-batches alive at once. Each send and
   receive is compared, before it runs, with the table's next hand-off (a peer right on 2 ranks only,
-  a skipped send); gradients that are all one multiple of one process's name the count the loss was
-  divided by; an error raised inside the student's function is said with its cause.
+  a skipped send, a skipped receive); when the ranks stall anyway, the journals of their sends and
+  receives (notebook 12's: nd.journal_message, nd.unpaired_messages) name the messages that never
+  paired up, by the table; gradients that are all one multiple of one process's name the count the
+  loss was divided by; an error raised inside the student's function is said with its cause.
 
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
@@ -33,6 +35,8 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import os
+import tempfile
 
 import torch
 import torch.distributed.pipelining  # noqa: F401
@@ -42,6 +46,7 @@ from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.intercept import RECEIVES, SENDS, intercept
 from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.nd_parallel import journal_message, unpaired_messages
 from utils.model import build_mlp, loss_fn, make_batch, parameter_names, reference_gradients, train_reference
 
 # torch.distributed.pipelining is imported above, in the caller: forked ranks inherit it (utils.launch says why).
@@ -72,10 +77,10 @@ def micro_batch_counts(kind, batch_size, num_micro_batches):
     return [m for m in sorted({1, 2, num_micro_batches, batch_size}) if batch_size % m == 0]
 
 
-def _spawn(fn, world_size, *args, timeout):
+def _spawn(fn, world_size, *args, timeout, **kwargs):
     """spawn, with a rank's AssertionError (a mistake it found) raised here as an AssertionError."""
     try:
-        return spawn(fn, world_size, *args, timeout=timeout)
+        return spawn(fn, world_size, *args, timeout=timeout, **kwargs)
     except RankError as e:
         if e.summary.startswith("AssertionError: "):
             raise AssertionError(e.summary.removeprefix("AssertionError: ")) from e
@@ -410,6 +415,10 @@ def _check_losses(where, got, want, last_alone=None):
             elif step == 0 and last_alone is not None and abs(g - last_alone) <= TOLERANCE:
                 hint += (": that is the last micro-batch's loss alone: the loss was overwritten at each micro-batch; "
                          "add each micro-batch's (loss = loss + y.detach())")
+            elif m := next((k for k in range(2, 65) if abs(g * k - w) <= TOLERANCE * k), None):
+                hint += (f": 1/{m} of it: the sum was divided again (by num_micro_batches or a rank count); each "
+                         f"micro-batch's loss is already divided by num_micro_batches: return their sum" if m > 1
+                         else "")
         raise AssertionError(f"{where}: the loss returned at step {step} is {text}; the full batch's loss is {w!r}"
                              f"{hint} (the sum of the micro-batches' losses, each divided by num_micro_batches)")
 
@@ -630,7 +639,7 @@ def _run_w(where, backward_weight, piece, y, grad):
     _call_split(where, backward_weight, piece, y, grad)
 
 
-def _expect_weights(where, piece, want, names, m, one=None):
+def _expect_weights(where, piece, want, names, m, one=None, ones=None):
     for p, w, name in zip(piece.parameters(), want, names):
         if p.grad is None:
             raise AssertionError(f"{where}: after W, {name}.grad is None: W must accumulate the weights' gradients "
@@ -644,6 +653,10 @@ def _expect_weights(where, piece, want, names, m, one=None):
         if one is not None and m > 1 and max_abs_diff(p.grad, one[name]) <= TOLERANCE:
             raise AssertionError(f"{where}: after W of {m} micro-batches, {name}.grad holds only the last one's: W "
                                  f"overwrote .grad; it must add to it (.grad accumulates over micro-batches)")
+        if ones is not None and not piece.is_last and max_abs_diff(p.grad, ones[name]) <= TOLERANCE:
+            raise AssertionError(f"{where}: after W, {name}.grad is what a gradient of ones gives (y.sum()'s "
+                                 f"backward): W must back-propagate y with the gradient it was given (the one "
+                                 f"received from the next stage), as B does")
         raise AssertionError(f"{where}: after W, {name}.grad differs from the full backward's by "
                              f"{max_abs_diff(p.grad, w):.3g} (bit for bit expected: W walks the same graph)")
 
@@ -692,7 +705,8 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
                 one = _last_alone(piece_index, sizes, m, names)
     where = (f"B then W on the {kind} piece (layers {list(piece.layer_indices)}), W deferred until the B's of all "
              f"{m} micro-batches")
-    _expect_weights(where, piece, want_grads, names, m, one)
+    _expect_weights(where, piece, want_grads, names, m, one,
+                    _weights_after(piece_index, sizes, m, names, range(m), ones=True))
     kinds = "".join(e.kind for e in sorted(record.events, key=lambda e: e.start) if e.kind != "F")
     want = "W" * m if piece.is_first else "B" * m + "W" * m
     if kinds != want:
@@ -701,17 +715,24 @@ def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
                              f"parameters), not the input's again")
 
 
-def _last_alone(piece_index, sizes, m, names):
-    """The weights' gradients of the last micro-batch alone (what an overwriting W leaves)."""
+def _weights_after(piece_index, sizes, m, names, micro_batches, ones=False):
+    """The weights' gradients after the backwards of `micro_batches` (of m), each given its output's gradient, or a
+    gradient of ones (`ones`: y.sum()'s backward)."""
     hidden_dim, num_layers, batch_size, seed = sizes
     piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
     batch = make_batch(batch_size, hidden_dim, seed)
     inputs = [_reference_activations(hidden_dim, num_layers, mb, seed) for mb in batch.chunk(m)]
-    x = _piece_inputs(piece, batch.chunk(m), inputs)[-1]
-    y = piece(x)
-    y = loss_fn(y) / m if piece.is_last else y
-    y.backward(_upstream(piece, y, seed, m - 1))
+    xs = _piece_inputs(piece, batch.chunk(m), inputs)
+    for i in micro_batches:
+        y = piece(xs[i])
+        y = loss_fn(y) / m if piece.is_last else y
+        y.backward(torch.ones_like(y) if ones else _upstream(piece, y, seed, i))
     return dict(zip(names, (p.grad for p in piece.parameters())))
+
+
+def _last_alone(piece_index, sizes, m, names):
+    """The weights' gradients of the last micro-batch alone (what an overwriting W leaves)."""
+    return _weights_after(piece_index, sizes, m, names, [m - 1])
 
 
 def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers, batch_size, num_micro_batches,
@@ -755,10 +776,10 @@ def hand_offs_per_step(rank, world_size, num_virtual, m):
 
 def expected_hand_offs(kind, rank, world_size, num_virtual, m):
     """The sends and receives of one step on `rank`, in the table's order: [("send" or "recv", peer, what, the
-    chunks of the forwards the table runs up to it)]. A forward receives its input from the previous piece's rank and
+    chunks of the forwards the table runs up to it, how many backwards (B or W) it runs up to it)]. A forward receives its input from the previous piece's rank and
     sends its output to the next's; a backward receives its output's gradient from the next and sends its input's
     back (on ZB-H1's first stage too: its B has no input gradient to compute, but receives)."""
-    last, hand_offs, forwards = world_size * num_virtual - 1, [], []
+    last, hand_offs, forwards, backwards = world_size * num_virtual - 1, [], [], 0
     previous, following = (rank - 1) % world_size, (rank + 1) % world_size
     table = pp.interleaved_order(rank, world_size, num_virtual, m) if kind == "interleaved" else \
         [(k, 0, i) for k, i in pp.zb_h1_order(rank, world_size, m)]
@@ -767,24 +788,41 @@ def expected_hand_offs(kind, rank, world_size, num_virtual, m):
         label = f"{action}{i}" + (f".{chunk}" if kind == "interleaved" else "")
         forwards = forwards + [chunk] * (action == "F")
         if action == "F":
-            hand_offs += [("recv", previous, f"{label}'s input, from the previous piece's rank", forwards)] * (piece != 0)
-            hand_offs += [("send", following, f"{label}'s output, to the next piece's rank", forwards)] * (piece != last)
+            hand_offs += [("recv", previous, f"{label}'s input, from the previous piece's rank", forwards,
+                           backwards)] * (piece != 0)
+            hand_offs += [("send", following, f"{label}'s output, to the next piece's rank", forwards,
+                           backwards)] * (piece != last)
         elif action == "B":
-            hand_offs += [("recv", following, f"{label}'s output gradient, from the next piece's rank",
-                           forwards)] * (piece != last)
-            hand_offs += [("send", previous, f"{label}'s input gradient, to the previous piece's rank",
-                           forwards)] * (piece != 0)
+            hand_offs += [("recv", following, f"{label}'s output gradient, from the next piece's rank", forwards,
+                           backwards)] * (piece != last)
+            hand_offs += [("send", previous, f"{label}'s input gradient, to the previous piece's rank", forwards,
+                           backwards + 1)] * (piece != 0)
+        backwards += action != "F"
     return hand_offs
 
 
-def _check_peers(where, world_size, expected=(), forwards=None):
+def _check_peers(where, world_size, expected=(), forwards=None, journal=None, backwards=None):
     """An intercept `before` that refuses a peer outside 0..p-1, and a peer other than the table's (`expected`:
     expected_hand_offs) while the calls come in the table's order (a schedule that posts them in another order is
     left to the other checks); `forwards`: the chunks of the forwards run so far, live (a blocking receive where the
-    table's next hand-off is a forward's send, after the table's forwards, means that send was skipped)."""
+    table's next hand-off is a forward's send, after the table's forwards, means that send was skipped; `backwards`,
+    a list whose length is the backwards through a piece's output so far, live: the same for a backward's send). Each send
+    and receive let through is written to `journal` (nd.journal_message: if the ranks stall, the check reads which
+    messages were never paired); `before.left_out()`, after the step, names the table's send the calls stopped at."""
     position = [0]
 
     def before(call, arguments):
+        check(call, arguments)
+        if call.name in SENDS + RECEIVES:
+            journal_message(journal, call.name, arguments.get("dst" if call.name in SENDS else "src"))
+
+    def left_out():  # after the step: the table's hand-off the calls stopped at, if a send
+        at = position[0]
+        if at is not None and at < len(expected) and expected[at][0] == "send":
+            return f"{expected[at][2]} (rank {expected[at][1]})"
+    before.left_out = left_out
+
+    def check(call, arguments):
         if call.name not in SENDS + RECEIVES:
             return
         sending = call.name in SENDS
@@ -797,14 +835,28 @@ def _check_peers(where, world_size, expected=(), forwards=None):
             raise AssertionError(f"{where}: dist.{call.name} with rank {peer}, which does not exist: {wrap}")
         if position[0] is None or position[0] >= len(expected):
             return
-        kind, want, what, table_forwards = expected[position[0]]
-        if kind == "send" and call.name == "recv" and what.startswith("F") and \
-                forwards[:len(table_forwards)] == table_forwards:
+        kind, want, what, table_forwards, table_backwards = expected[position[0]]
+        # a blocking receive where the table sends first, after the table's forwards (and, for a backward's send,
+        # its backwards, and no more forwards): that send was skipped
+        done = forwards[:len(table_forwards)] == table_forwards if what.startswith("F") else \
+            forwards == table_forwards and backwards is not None and len(backwards) >= table_backwards
+        if kind == "send" and call.name == "recv" and done:
+            rule = ("every piece but the model's last sends its output on (only piece.is_last, the model's last "
+                    "piece, keeps the loss)" if what.startswith("F") else
+                    "every piece but the model's first sends its input's gradient back, right after its backward "
+                    "(only the first piece's input is the data, with no gradient to send)")
             raise AssertionError(
                 f"{where}: a blocking dist.recv from rank {peer} where the table's next hand-off on this rank is a "
                 f"send: {what}. Was that send skipped? The neighbour may be waiting for it while this rank waits: "
-                f"every piece but the model's last sends its output on (only piece.is_last, the model's last piece, "
-                f"keeps the loss)")
+                f"{rule}")
+        after = expected[position[0] + 1] if position[0] + 1 < len(expected) else None
+        if kind == "recv" and sending and after and after[:2] == ("send", peer) and \
+                after[2].split("'")[0] == what.split("'")[0]:  # a computation's send before its own receive
+            raise AssertionError(
+                f"{where}: dist.{call.name} of {after[2]} before its receive, {what}: was that receive skipped? A "
+                f"computation needs what its neighbour sends ({'the input' if what.startswith('F') else 'the gradient of its output'}), "
+                f"received into a buffer (torch.empty_like) before it runs; a buffer never received into holds "
+                f"garbage, and the neighbour's message stays unread")
         if kind != ("send" if sending else "recv"):
             position[0] = None  # posted in another order: not this check's to judge
             return
@@ -816,6 +868,26 @@ def _check_peers(where, world_size, expected=(), forwards=None):
                                  f"{want}, expected; a direction that is right on 2 ranks only (where the next rank "
                                  f"is the previous one)")
     return before
+
+
+def _unpaired_hint(label, kind, world_size, num_virtual, counts, num_steps, unpaired):
+    """Ranks waited in vain, and their journals show which messages do not pair up: each named by the table (the
+    sender's send, or the receiver's receive, at the count where they part; the check's runs make `num_steps` steps
+    for each micro-batch count in `counts`), the run's earliest first (later ones may follow from it)."""
+    def nth(rank, action, peer, k):  # (when in the run, what): the k-th hand-off `action` of `rank` with `peer`
+        table = [((j, step), f"{what.split(',')[0]} (m = {m}, step {step})") for j, m in enumerate(counts)
+                 for step in range(num_steps)
+                 for a, p, what, *_ in expected_hand_offs(kind, rank, world_size, num_virtual, m) if (a, p) == (action, peer)]
+        return table[k] if k < len(table) else ((len(counts), 0), "a message the table does not have")
+    lines = sorted((nth(a, "send", b, sent)[0], f"rank {a} never sent {nth(a, 'send', b, sent)[1]}, which rank {b} "
+                    f"waits for (a send skipped?)") if received > sent else
+                   (nth(b, "recv", a, received)[0], f"rank {b} never received {nth(b, 'recv', a, received)[1]}, which "
+                    f"rank {a} sent (a receive skipped?)") for a, b, sent, received in unpaired)
+    return (f"{label} on {world_size} ranks: ranks waited for a message in vain, and their sends and receives do not "
+            f"pair up: " + "; ".join(line for _, line in lines[:3]) + ". Every message the table implies is sent by "
+            f"one rank and received by its neighbour: a forward receives its input (but on the model's first piece) "
+            f"and sends its output on (but on the last), a backward receives its output's gradient (but on the last "
+            f"piece) and sends its input's gradient back (but on the first)")
 
 
 STUDENT_ERRORS = [  # (words in the error, what in the student's code raised it)
@@ -895,10 +967,23 @@ class WherePieces:
                 f"{'es' * (self.m > 1)}")
 
 
-def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes):
+def _on_backward(y, backwards):
+    """A forward hook's work: a 1 in `backwards` each time autograd goes through the output y (B, or W)."""
+    if torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad:
+        y.register_hook(lambda grad: backwards.append(1))
+
+
+def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes, journal_dir=None):
+    with open(os.path.join(journal_dir, f"{rank}"), "w", buffering=1) if journal_dir else \
+            contextlib.nullcontext() as journal:
+        return _train_past_1f1b(rank, world_size, schedule, kind, num_virtual, counts, sizes, journal)
+
+
+def _train_past_1f1b(rank, world_size, schedule, kind, num_virtual, counts, sizes, journal):
     label, _, pieces, split = PAST_1F1B[kind]
     runs = {}
     for m in counts:
+        peers = [None]  # this step's _check_peers, which after_step asks where the calls stopped
         where = WherePieces(label, kind, rank, world_size, num_virtual, m, pieces)
 
         def after_step(record):
@@ -906,19 +991,23 @@ def _past_1f1b_main(rank, world_size, schedule, kind, num_virtual, counts, sizes
             sends = [c for c in record.calls if c.name in SENDS]
             want = hand_offs_per_step(rank, world_size, num_virtual if pieces else 1, m)
             if len(sends) != want:
+                left_out = peers[0].left_out() if len(sends) < want else None
+                first = f"; the calls stopped short of the table's send {left_out}: was it skipped?" if left_out else ""
                 raise AssertionError(f"{where}: sent {len(sends)} message(s) in one step; expected {want}: m "
                                      f"activations from each piece but the model's last, m gradients from each but "
-                                     f"the first")
+                                     f"the first{first}")
             _check_isends(where, record, "this schedule")
 
         def watched(stage, batch, m):
             expected = expected_hand_offs(kind, rank, world_size, num_virtual if pieces else 1, m)
-            forwards = []  # the chunks of the forwards run so far
+            forwards, backwards = [], []  # the chunks of the forwards run so far; a 1 a backward through an output
+            peers[0] = _check_peers(where, world_size, expected, forwards, journal, backwards)
             modules = list(stage) if isinstance(stage, torch.nn.ModuleList) else [stage]
             hooks = [module.register_forward_pre_hook(lambda *_, k=k: forwards.append(k))
                      for k, module in enumerate(modules)]
+            hooks += [module.register_forward_hook(lambda _, __, y: _on_backward(y, backwards)) for module in modules]
             try:
-                with intercept(before=_check_peers(where, world_size, expected, forwards)):
+                with intercept(before=peers[0]):
                     return schedule(stage, batch, m)
             except AssertionError:
                 raise
@@ -1009,7 +1098,18 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
     peaks, sent = {}, {}
     for n in worlds:
         try:
-            runs = _spawn(_past_1f1b_main, n, schedule, kind, v, counts[n], sizes, timeout=timeout)
+            with tempfile.TemporaryDirectory() as journal_dir:
+                try:
+                    runs = _spawn(_past_1f1b_main, n, schedule, kind, v, counts[n], sizes, timeout=timeout,
+                                  journal_dir=journal_dir)
+                except (RankError, TimeoutError) as e:
+                    # waited in vain (not in a blocking send: the message below says why that hangs)
+                    waited = "dist.send(" not in str(e) if isinstance(e, TimeoutError) else \
+                        "already returned from fn" in e.summary
+                    unpaired = waited and unpaired_messages(journal_dir, n)
+                    if unpaired:
+                        raise AssertionError(_unpaired_hint(label, kind, n, v, counts[n], num_steps, unpaired)) from e
+                    raise
         except TimeoutError as e:
             raise TimeoutError(f"{label} on {n} ranks: a rank waited for ever. A blocking dist.send returns only "
                                f"once the receiver takes the message, and the receiver may be waiting for this rank: "

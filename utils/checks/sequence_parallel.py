@@ -171,6 +171,10 @@ def _piece(t, n, dim, rank):
     return None if t.shape[dim] % n else t.chunk(n, dim=dim)[rank]
 
 
+MIRRORED = ("rank N-1-r's chunk of the sum, not this rank's: the reduce-scatter's list goes in rank order, chunk r "
+            "to rank r (list(x.chunk(N, dim=1)), not reversed)")
+
+
 def _gather_problems(runs, n, sizes, seed):
     xs, gs = zip(*(_region_inputs(sizes, seed, r, n, True) for r in range(n)))
     b, s, d = _whole(sizes)
@@ -182,12 +186,15 @@ def _gather_problems(runs, n, sizes, seed):
                                    "dim 1 (torch.cat(chunks, dim=1))"),
             (torch.cat(xs, dim=-1), "the chunks are joined along the features (dim 2): join them along the "
                                     "sequence, dim 1"),
-            (xs[rank], "this rank's chunk only: all-gather every rank's chunk")], {})
+            (xs[rank], "this rank's chunk only: all-gather every rank's chunk"),
+            (torch.cat(xs[::-1], dim=1), "the chunks are joined in reverse rank order: rank r's chunk holds "
+                                         "positions r S/N .. (r + 1) S/N - 1, so join them in rank order")], {})
         yield _region_problem(f"{where}, backward", run.grad, run.error, summed, [
             (gs[rank].chunk(n, dim=1)[rank], "this rank's own gradient at its positions only: every rank's copy of "
                                              "the sequence fed its own heads, so the gradients of all ranks add up "
                                              "(reduce-scatter: sum, keep this rank's chunk)"),
-            (summed / n, "the mean over ranks: the ranks' gradients add up, do not divide by the world size")], {
+            (summed / n, "the mean over ranks: the ranks' gradients add up, do not divide by the world size"),
+            (sum(gs).chunk(n, dim=1)[n - 1 - rank], MIRRORED)], {
             (b, s, d): "the gradient of the whole sequence (an all-reduce?): the input is this rank's chunk, its "
                        "gradient is the sum over ranks of their gradients at its positions: a reduce-scatter along "
                        "the sequence",
@@ -213,7 +220,8 @@ def _scatter_problems(runs, n, sizes, seed):
                                            "sequence, dim 1"),
             (_piece(summed, n, -1, rank), "this rank's chunk of the features: keep its chunk of the sequence, "
                                             "dim 1"),
-            (summed, "the whole sum: keep this rank's chunk of the sequence (a reduce-scatter, not an all-reduce)")],
+            (summed, "the whole sum: keep this rank's chunk of the sequence (a reduce-scatter, not an all-reduce)"),
+            (summed.chunk(n, dim=1)[n - 1 - rank], MIRRORED)],
             {})
         yield _region_problem(f"{where}, backward", run.grad, run.error, torch.cat(gs, dim=1), [
             (padded, "this rank's chunk's gradient, zeros elsewhere: every rank's partial sum fed every chunk, so the "

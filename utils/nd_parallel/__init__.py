@@ -59,6 +59,7 @@ from utils.nd_parallel.pipeline_3d import (
     formula_calls_3d,
     full_weights_3d,
     hidden_like,
+    journal_message,
     pipeline_neighbours,
     stage_forward,
     stage_names,

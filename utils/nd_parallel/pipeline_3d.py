@@ -88,9 +88,14 @@ def guard_3d(groups, tensor_parallel, journal=None, mesh=None, hidden_shape=None
                     f"travels between stages is a micro-batch's hidden states (or their gradient), float64 of shape "
                     f"{hidden_shape} (micro-batch, this rank's chunk of positions, dim): receive into "
                     f"nd.hidden_like(tokens, model.sizes), a gradient into torch.empty_like(y)")
+            if peer is None:  # gloo's "any source": right only where the one rank that sends is the right one
+                raise CompositionMistake(
+                    f"rank {rank}'s {call.name} names no peer (None: from any rank): a message comes from one "
+                    f"pipeline neighbour, named (the previous stage's rank - T for hidden states, the next stage's "
+                    f"rank + T for their gradient); this stage's neighbours are {list(neighbours)} (None: no stage "
+                    f"there), so a gradient asked of the previous stage, or hidden states of the next, has no peer")
             if peer in neighbours and call.group in ("pipeline", "world"):
-                if journal is not None:
-                    journal.write(f"{call.name} {peer}\n")
+                journal_message(journal, call.name, peer)
                 return
             if peer in (rank - 1, rank + 1) and peer not in neighbours:
                 raise CompositionMistake(
@@ -180,6 +185,13 @@ def _record_forward(order, output):
     if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
         order.append("F")
         output.register_hook(lambda grad: order.append("B"))
+
+
+def journal_message(journal, name, peer):
+    """Write a send/recv about to run (`name`: send, isend, recv, irecv; `peer`: the global rank) to `journal`, a
+    line-buffered file or None, for unpaired_messages to read if the ranks stall."""
+    if journal is not None:
+        journal.write(f"{name} {peer}\n")
 
 
 def unpaired_messages(journal_dir, world_size):
