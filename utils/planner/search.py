@@ -1,6 +1,7 @@
 """The search: every split that divides evenly, its memory per device (the stage that needs the most) and its
 step time; those that fit, fastest first."""
 import itertools
+import operator
 
 from utils.planner.describe import GB, RECOMPUTE, Config, check_config
 from utils.planner.memory import model_state_bytes, peak_memory
@@ -70,6 +71,10 @@ def _estimate(model, cluster, global_batch, config, m, memory=None, only_fitting
 _TIMES = {k: f"{k}_s" for k in ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "exposed", "step")}
 
 
+_SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")  # what the model states depend on
+_KNOBS = operator.attrgetter("micro_batch_size", "recompute", "cp_mode", "tp_overlap")  # the rest but the schedule
+
+
 def _rows(model, cluster, global_batch, choices, only_fitting):
     """A row for every valid config (only those that fit, with only_fitting). Two shortcuts, neither changing a
     row: a config whose model states alone (on the first pipeline rank, whose memory peak_memory always counts)
@@ -78,16 +83,17 @@ def _rows(model, cluster, global_batch, choices, only_fitting):
     micro-batches in flight: memory.py), counted once. Step times are computed for fitting configs only."""
     states, memories, rows = {}, {}, []
     for config, m in _valid(model, cluster, global_batch, **choices):
-        split = (config.dp, config.tp, config.pp, config.cp, config.ep, config.zero_stage, config.v)
+        split = _SPLIT(config)
         if only_fitting:
             if split not in states:
                 states[split] = sum(model_state_bytes(model, config, 0).values())
             if states[split] > cluster.memory_bytes:
                 continue
-        key = (*split, config.micro_batch_size, config.recompute, config.cp_mode, config.tp_overlap, m)
-        if key not in memories:
-            memories[key] = peak_memory(model, config, m)
-        row = _estimate(model, cluster, global_batch, config, m, memories[key], only_fitting)
+        key = (split, _KNOBS(config), m)
+        memory = memories.get(key)
+        if memory is None:
+            memory = memories[key] = peak_memory(model, config, m)
+        row = _estimate(model, cluster, global_batch, config, m, memory, only_fitting)
         if row["fits"] or not only_fitting:
             rows.append(row)
     return rows
