@@ -305,6 +305,45 @@ def test_configs_are_exactly_the_valid_ones():
     assert pl.Config(dp=1, tp=8) not in configs  # 4 heads
 
 
+def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
+    """The search without its shortcuts: every valid config estimated alone (estimate: its own memory, no pruning),
+    with step.py's caches bypassed (their functions called through __wrapped__); those that fit, fastest first."""
+    from utils.planner import step
+    for name in ("_layer_terms", "_optimizer_seconds", "_slowest_stage", "_flops_per_token"):
+        monkeypatch.setattr(step, name, getattr(step, name).__wrapped__)
+    rows = [pl.estimate(model, cluster, global_batch, c) for c in pl.configs(model, cluster, global_batch, **choices)]
+    return sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"], r["memory_gb"]))
+
+
+@pytest.mark.parametrize("model, devices, batch", [(LLAMA2_70B, 16, 32), (MIXTRAL, 16, 16)])
+def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, devices, batch, monkeypatch):
+    cluster = pl.Cluster(devices, **H100)  # the 70B: some splits do not fit; ZB-H1 beside 1F1B; experts over ep
+    choices = {"micro_batch_sizes": (1, 2) if model is LLAMA2_70B else (1,), "zero_stages": (0, 2, 3)}
+    searched = pl.plan(model, cluster, batch, **choices)
+    every = pl.estimates(model, cluster, batch, **choices)
+    plain = _uncached_plan(model, cluster, batch, monkeypatch, **choices)
+    assert searched and searched == plain
+    assert every == [pl.estimate(model, cluster, batch, c) for c in pl.configs(model, cluster, batch, **choices)]
+
+
+@pytest.mark.slow  # two searches of 1.5-2 s of one core each (more on a loaded machine)
+def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
+    import time
+
+    from utils.planner import compute, step
+    llama3 = pl.Model(126, 16384, 128, 53248, 8192, 128256, num_kv_heads=8, ffn_matrices=3)
+    cluster = pl.cluster("H100 SXM", 16384)
+    times = []
+    for _ in range(2):  # the faster of two searches, each from empty caches: less of the machine's load in it
+        for cached in (compute._layer_times, step._layer_terms, step._optimizer_seconds, step._slowest_stage,
+                       step._flops_per_token):
+            cached.cache_clear()
+        start = time.process_time()
+        rows = pl.plan(llama3, cluster, 2048)
+        times.append(time.process_time() - start)
+    assert len(rows) > 20000 and min(times) < 2.0, f"{len(rows)} rows in {min(times):.2f} s of one core"
+
+
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("change, match", [

@@ -22,6 +22,8 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # layouts fit: Narayanan et al.'s ZeRO-3 530B on 640 GPUs is predicted at 93 GB of 85.9. DeepSeek-V3 is not
 # expressible (latent attention, shared experts, dense first layers, DualPipe).
 THROUGHPUT_TODAY = 0.88  # the share reached: a regression below it fails
+# The published split within 10% of the planner's best for 55% of the searched runs before the cost model above
+# (78% among the choices each run's framework offered, utils.planner_runs.LAYOUT_REASONS).
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -164,8 +166,28 @@ def test_validate_says_why_a_run_is_not_compared(rows):
 
 
 def test_layout_rank_of_a_small_run():
-    rank, gap = pr.layout_rank(RUNS["megatron21 1.7B"])  # 32 GPUs: a search of a fraction of a second
-    assert rank >= 1 and gap >= 1
+    rank, gap, best = pr.layout_rank(RUNS["megatron21 1.7B"])  # 32 GPUs: a search of a fraction of a second
+    assert rank >= 1 and gap >= 1 and best["fits"] and (gap > 1) == (rank > 1)
+
+
+def test_layout_reasons_name_runs_and_sources_and_keep_to_plan_columns():
+    columns = set(pl.COLUMNS) | {"schedule"}
+    assert pr.LAYOUT_REASONS and set(pr.LAYOUT_REASONS) <= set(RUNS)
+    for name, reason in pr.LAYOUT_REASONS.items():
+        assert reason.text and len(reason.text) <= 110 and reason.source, name
+        assert set(reason.offered) <= columns, name
+
+
+def test_the_offered_gap_is_the_gap_among_what_the_framework_offered():
+    run = RUNS["megatron21 1.7B"]  # 32 GPUs
+    rank, gap, best = pr.layout_rank(run)
+    offered_rank, offered_gap, offered_best = pr.layout_rank(run, pr.LAYOUT_REASONS[run.name].offered)
+    assert offered_best["cp"] == 1 and offered_best["zero_stage"] == 1 and offered_gap <= gap
+    row, = pr.validate([run])
+    assert (row["rank"], row["gap"], row["offered_gap"]) == (rank, gap, offered_gap)
+    lines = pr.format_layout_ranks([row]).splitlines()
+    assert len(lines) == 2 and run.name in lines[1]
+    assert (pr.LAYOUT_REASONS[run.name].text in lines[1]) == (gap > 1 + LAYOUT_WITHIN)
 
 
 def test_fields_the_planner_lacks_are_named():
@@ -225,7 +247,7 @@ def test_every_reported_out_of_memory_is_predicted(rows):
     assert pr.agreement(rows)["oom_predicted"] >= OOM_SHARE, pr.format_validation(rows)
 
 
-@pytest.mark.slow  # a search per run: about a minute
+@pytest.mark.slow  # a search per run, 67 runs: one to two minutes of one core
 @UNTIL_ISSUE_41
 def test_published_layouts_are_near_the_planners_best():
     searched = pr.validate(pr.RUNS, search=True)

@@ -11,6 +11,7 @@ framework's default, a formula that reproduces the printed numbers) is named in 
 Conversions are checked against the numbers the sources print next to them (tests/test_planner_runs.py).
 """
 import dataclasses
+import re
 
 from utils import planner as pl
 
@@ -259,18 +260,24 @@ def estimate_published(run):
 LAYOUT_AXES = ("dp", "tp", "pp", "cp", "ep")
 
 
-def layout_rank(run, **choices):
-    """(rank, gap): where the published split (dp, tp, pp, cp, ep) stands among the planner's fitting splits, each
-    at its best knobs (1: the planner's first choice), and its best step over the planner's best; (None, None) if the
-    planner lists no fitting configuration of that split."""
+def layout_rank(run, offered=None, **choices):
+    """(rank, gap, best): where the published split (dp, tp, pp, cp, ep) stands among the planner's fitting splits,
+    each at its best knobs (1: the planner's first choice), its best step over the planner's best, and the planner's
+    best row; (None, None, best) if the planner lists no fitting configuration of that split. offered: {column:
+    allowed values}, the search kept to what the run's framework offered (Reason.offered)."""
     rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch, **choices)
+    return _rank(run, rows, offered)
+
+
+def _rank(run, rows, offered=None):
+    rows = [r for r in rows if all(r[k] in allowed for k, allowed in (offered or {}).items())]
     best = {}
     for row in rows:  # fastest first: the first row of a split is its best
         best.setdefault(tuple(row[a] for a in LAYOUT_AXES), row["step_s"])
     published = best.get(tuple(getattr(run.layout, a) for a in LAYOUT_AXES))
     if published is None:
-        return None, None
-    return 1 + sum(step < published for step in best.values()), published / min(best.values())
+        return None, None, rows[0] if rows else None
+    return 1 + sum(step < published for step in best.values()), published / min(best.values()), rows[0]
 
 
 # ---------------------------------------------------------------- validation
@@ -301,15 +308,24 @@ def validate(runs, search=True):
                 if row["reported_gb"] is not None:
                     row["memory_ratio"] = row["predicted_gb"] / row["reported_gb"]
                 if search and not run.oom:
-                    row["rank"], row["gap"] = layout_rank(run)
+                    plan = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch)
+                    row["rank"], row["gap"], row["best"] = _rank(run, plan)
+                    reason = LAYOUT_REASONS.get(run.name)
+                    if reason and reason.offered:  # the gap among what the run's framework offered
+                        row["offered_gap"] = _rank(run, plan, reason.offered)[1]
                     row["searched"] = True
         rows.append(row)
     return rows
 
 
+def _offered_gap(row):
+    return row["offered_gap"] if row.get("offered_gap") is not None else row["gap"]
+
+
 def agreement(rows, throughput_within=0.15, layout_within=0.10):
     """The shares the targets of issue 41 are stated in, over the rows each applies to (None where none does):
-    throughput within 15%; published split within 10% of the planner's best; trained layouts that fit; reported
+    throughput within 15%; published split within 10% of the planner's best (and, layout_offered, of its best among
+    what the run's framework offered, where LAYOUT_REASONS says); trained layouts that fit; reported
     out-of-memory layouts predicted out of memory."""
     def share(flags):
         flags = list(flags)
@@ -317,6 +333,8 @@ def agreement(rows, throughput_within=0.15, layout_within=0.10):
     compared = [r for r in rows if r["fits"] is not None]
     return {"throughput": share(abs(r["ratio"] - 1) <= throughput_within for r in compared if r["ratio"]),
             "layout": share(r["gap"] is not None and r["gap"] <= 1 + layout_within for r in rows if r.get("searched")),
+            "layout_offered": share(_offered_gap(r) is not None and _offered_gap(r) <= 1 + layout_within
+                                    for r in rows if r.get("searched")),
             "trained_fit": share(r["fits"] for r in compared if not r["oom"]),
             "oom_predicted": share(not r["fits"] for r in compared if r["oom"]),
             "expressed": share(r["fits"] is not None for r in rows)}
@@ -734,3 +752,87 @@ def _others():
 
 RUNS = (_narayanan_table1() + _narayanan_table2() + _korthikanti() + _mt_nlg() + _nemotron4() + _llama3()
         + _torchtitan() + _megatron_core_h100() + _others())
+
+
+# ---------------------------------------------------------------- where the planner prefers another layout, and why
+#
+# For the runs whose published split the planner ranks more than 10% behind its best: what the practitioners knew,
+# or had, that the planner does not, with the source that says so. `offered` keeps the search to the choices the
+# run's framework offered at the time (validate() then reports the gap among those, 'offered_gap').
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    text: str  # one short line: what the run's authors knew or had that the planner does not
+    source: str
+    offered: dict = dataclasses.field(default_factory=dict)  # {plan column: allowed values}
+
+
+MEGATRON_2021 = {"cp": {1}, "zero_stage": {1}, "recompute": {"none", "full"}, "schedule": {"1F1B", "interleaved"}}
+TORCHTITAN = "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370), Table {}"
+LLAMA3_SOURCE = "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783), section 3.3.2 and Table 4"
+_FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reason of every run it names
+    r"megatron21 ZeRO-3 ": Reason(
+        "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
+        f"{NARAYANAN}, section 5.2 and Table 2"),
+    r"megatron21 ": Reason(
+        "Megatron-LM of 2021 had no context parallel, ZeRO, selective recomputation or ZB-H1 (splits t, p, d)",
+        f"{NARAYANAN}, sections 2-3 (PTD-P: tensor, pipeline and data parallel; full recomputation)",
+        MEGATRON_2021),
+    r"korthikanti22 ": Reason(
+        "one model-parallel replica (data parallel 1) to measure sequence parallel; no context parallel or ZeRO yet",
+        "Korthikanti et al. 2022 (arXiv 2205.05198), section 6 and Table 3",
+        {"cp": {1}, "zero_stage": {1}, "schedule": {"1F1B", "interleaved"}}),
+    r"llama3 405B 16384 cp16": Reason(
+        "the long-context stage kept the 8K runs' TP 8 x PP 16 and added CP 16 to fit 131K tokens",
+        LLAMA3_SOURCE, {"tp": {8}, "pp": {16}}),
+    r"llama3 ": Reason(
+        "Meta added context parallel only to lengthen the context (131K); at 8K, TP 8 stays inside a node",
+        LLAMA3_SOURCE, {"cp": {1}}),
+    r"torchtitan 70B A100": Reason(
+        "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
+        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),
+    r"torchtitan 8B FSDP \d+ CP ": Reason(
+        "a benchmark of FSDP x CP on 8 GPUs as the sequence grows, with Float8 and torch.compile (not modelled)",
+        TORCHTITAN.format(2), {"tp": {1}, "pp": {1}}),
+    r"torchtitan 70B 2D": Reason(
+        "a benchmark of 2D (FSDP x TP 8), with Float8 and torch.compile, which the planner does not model",
+        TORCHTITAN.format(4), {"pp": {1}, "cp": {1}}),
+    r"torchtitan 405B FSDP \d+ CP ": Reason(
+        "a benchmark of CP as the sequence grows, at the 3D layout's TP 8 x PP 8, with Float8 (not modelled)",
+        TORCHTITAN.format(6), {"tp": {8}, "pp": {8}}),
+    r"torchtitan 405B (1F1B|Interleaved)": Reason(
+        "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), with Float8 (not modelled)",
+        TORCHTITAN.format(5)),
+    r"opt 175B": Reason(
+        "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
+        "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
+    r"megatron24 ": Reason(
+        "a weak-scaling table: data parallel 48 for every size, the model-parallel size grown with the model",
+        "NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability'", {"dp": {48}}),
+}
+
+
+def _family_reason(name):
+    return next((reason for pattern, reason in _FAMILY_REASONS.items() if re.match(pattern, name)), None)
+
+
+LAYOUT_REASONS = {run.name: _family_reason(run.name) for run in RUNS if _family_reason(run.name)}
+
+
+def format_layout_ranks(rows, within=0.10):
+    """One line per searched run: the published split's rank and gap to the planner's best, the best split, and,
+    where the gap exceeds `within`, what the practitioners knew (LAYOUT_REASONS) and the gap among what their
+    framework offered."""
+    lines = [f"{'run':>34} {'rank':>4} {'gap':>5}  {'planner best (dp tp pp cp ep)':<30} {'offered':>7}  why"]
+    for row in rows:
+        if not row.get("searched"):
+            continue
+        best = row["best"]
+        split = " ".join(str(best[a]) for a in LAYOUT_AXES) if best else "-"
+        near = row["gap"] is not None and row["gap"] <= 1 + within
+        reason = LAYOUT_REASONS.get(row["name"])
+        why = "" if near else reason.text if reason else "not explained yet"
+        offered = row.get("offered_gap")
+        cells = ["-" if v is None else f"{v:.2f}" for v in (row["gap"], None if near else offered)]
+        lines.append(f"{row['name']:>34} {row['rank'] or '-':>4} {cells[0]:>5}  {split:<30} {cells[1]:>7}  {why}")
+    return "\n".join(lines)

@@ -1,9 +1,10 @@
 """The search: every split that divides evenly, its memory per device (the stage that needs the most) and its
 step time; those that fit, fastest first."""
 import itertools
+import operator
 
 from utils.planner.describe import GB, RECOMPUTE, Config, check_config
-from utils.planner.memory import peak_memory
+from utils.planner.memory import model_state_bytes, peak_memory
 from utils.planner.step import _step_seconds
 
 SCHEDULE_CHOICES = (("1F1B", 1), ("interleaved", 2), ("interleaved", 4), ("ZB-H1", 1))
@@ -26,15 +27,16 @@ def _valid(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recompu
     arithmetic first (the search's cost is here: tests check that both agree); recomputation and the ZeRO stage
     never make a split invalid. Without a pipeline, one schedule; ZB-H1 where m >= p (its formula's range)."""
     n = cluster.num_devices
-    tps = [t for t in divisors(n) if model.num_heads % t == 0 and model.ffn_dim % t == 0
+    ns = divisors(n)
+    tps = [t for t in ns if model.num_heads % t == 0 and model.ffn_dim % t == 0
            and (model.kv_heads % t == 0 or t % model.kv_heads == 0)]
-    cps = [c for c in divisors(n) if model.seq_len % c == 0]
-    pps = [p for p in divisors(n) if p <= model.num_layers]
+    cps = [c for c in ns if model.seq_len % c == 0]
+    pps = [p for p in ns if p <= model.num_layers]
     for tp, pp, cp in itertools.product(tps, pps, cps):
         if n % (tp * pp * cp) or (model.seq_len // cp) % tp:
             continue
         dp = n // (tp * pp * cp)
-        eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0]
+        eps = [e for e in ns if (dp * cp) % e == 0 and model.num_experts % e == 0]  # divisors of dp cp, which divides n
         for ep, mbs, (schedule, v) in itertools.product(eps, micro_batch_sizes, schedules):
             if (pp == 1 and (schedule, v) != schedules[0]) or pp * v > model.num_layers:
                 continue
@@ -52,32 +54,63 @@ def estimate(model, cluster, global_batch, config):
     return _estimate(model, cluster, global_batch, config, check_config(model, cluster, global_batch, config))
 
 
-def _estimate(model, cluster, global_batch, config, m, only_fitting=False):
-    stage, memory = peak_memory(model, config, m)
-    row = dict(vars(config)) | {"micro_batches": m, "memory_gb": memory["total"] / GB, "memory_stage": stage,
-                                "fits": memory["total"] <= cluster.memory_bytes}
+def _estimate(model, cluster, global_batch, config, m, memory=None, only_fitting=False):
+    """The row; without step times if it does not fit and only_fitting. `memory`: peak_memory's, if known."""
+    stage, memory = memory or peak_memory(model, config, m)
+    row = vars(config) | {"micro_batches": m, "memory_gb": memory["total"] / GB, "memory_stage": stage,
+                          "fits": memory["total"] <= cluster.memory_bytes}
     if only_fitting and not row["fits"]:
-        return None
+        return row
     seconds = _step_seconds(model, cluster, config, global_batch, m)
-    row |= {f"{k}_s": v for k, v in seconds.items() if k not in ("mfu", "flops_per_device")}
+    row |= {name: seconds[k] for k, name in _TIMES.items()}
     row["mfu"], row["tflops"] = seconds["mfu"], seconds["flops_per_device"] / 1e12
     row["tokens_per_s"] = global_batch * model.seq_len / seconds["step"]
     return row
 
 
+_TIMES = {k: f"{k}_s" for k in ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "exposed", "step")}
+
+
+_SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")  # what the model states depend on
+_KNOBS = operator.attrgetter("micro_batch_size", "recompute", "cp_mode", "tp_overlap")  # the rest but the schedule
+
+
+def _rows(model, cluster, global_batch, choices, only_fitting):
+    """A row for every valid config (only those that fit, with only_fitting). Two shortcuts, neither changing a
+    row: a config whose model states alone (on the first pipeline rank, whose memory peak_memory always counts)
+    exceed the device is left out of a search for fitting ones, without its activations counted; and a schedule's
+    memory is the one its pieces per rank v already had under another schedule (1F1B and ZB-H1 hold as many
+    micro-batches in flight: memory.py), counted once. Step times are computed for fitting configs only."""
+    states, memories, rows = {}, {}, []
+    for config, m in _valid(model, cluster, global_batch, **choices):
+        split = _SPLIT(config)
+        if only_fitting:
+            if split not in states:
+                states[split] = sum(model_state_bytes(model, config, 0).values())
+            if states[split] > cluster.memory_bytes:
+                continue
+        key = (split, _KNOBS(config), m)
+        memory = memories.get(key)
+        if memory is None:
+            memory = memories[key] = peak_memory(model, config, m)
+        row = _estimate(model, cluster, global_batch, config, m, memory, only_fitting)
+        if row["fits"] or not only_fitting:
+            rows.append(row)
+    return rows
+
+
 def estimates(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
               zero_stages=(1, 3), schedules=SCHEDULE_CHOICES):
     """A row for every valid configuration (the choices as `configs`'), fitting in memory or not."""
-    return [_estimate(model, cluster, global_batch, config, m)
-            for config, m in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages,
-                                    schedules)]
+    choices = dict(micro_batch_sizes=micro_batch_sizes, recomputes=recomputes, zero_stages=zero_stages,
+                   schedules=schedules)
+    return _rows(model, cluster, global_batch, choices, only_fitting=False)
 
 
 def plan(model, cluster, global_batch, **choices):
     """The configurations that fit in memory, fastest step first (ties: less memory first)."""
-    rows = [_estimate(model, cluster, global_batch, config, m, only_fitting=True)
-            for config, m in _valid(model, cluster, global_batch, **choices)]
-    return sorted((r for r in rows if r is not None), key=lambda r: (r["step_s"], r["memory_gb"]))
+    rows = _rows(model, cluster, global_batch, choices, only_fitting=True)
+    return sorted(rows, key=lambda r: (r["step_s"], r["memory_gb"]))
 
 
 COLUMNS = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "micro_batches", "schedule", "v", "recompute",

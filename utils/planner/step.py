@@ -29,12 +29,17 @@ than that computation is exposed.
     optimizer  Adam on the rank's shard: its states read and written, memory-bound.
 """
 import functools
+import operator
 
 from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import layer_times, memory_bound_seconds, output_layer_seconds
 from utils.planner.describe import check_config, rank_layer_counts
 from utils.planner.memory import model_state_bytes
+
+
+# what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused")
 
 
 def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
@@ -69,7 +74,33 @@ def step_seconds(model, cluster, config, global_batch):
     return _step_seconds(model, cluster, config, global_batch, check_config(model, cluster, global_batch, config))
 
 
-def _step_seconds(model, cluster, config, global_batch, m):
+def _memo(*fields):
+    """Cache a function of (model, cluster, config) on the config's `fields` alone: the search asks for the same
+    per-layer terms for every recomputation, schedule and interleaving of a split (tests/test_planner.py checks
+    the search against the same functions uncached, through __wrapped__). The model and the cluster are keyed by
+    identity (the entry holds them, so their ids stay theirs): hashing a Model's fields costs more than a lookup."""
+    def wrap(function):
+        cache, values = {}, operator.attrgetter(*fields) if fields else (lambda config: ())
+
+        @functools.wraps(function)
+        def cached(model, cluster, config):
+            key = (id(model), id(cluster), values(config))
+            entry = cache.get(key)
+            if entry is None:
+                if len(cache) >= 8192:
+                    cache.clear()
+                entry = cache[key] = (model, cluster, function(model, cluster, config))
+            return entry[2]
+        cached.cache_clear = cache.clear
+        return cached
+    return wrap
+
+
+@_memo("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "zero_stage", "cp_mode", "tp_overlap", *CHOICES)
+def _layer_terms(model, cluster, config):
+    """One layer and micro-batch, whatever the recomputation and schedule: its times, each group's exposed
+    communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off
+    and the output layer's (forward, backward)."""
     c, links, lt = config, group_links(cluster, config), layer_times(model, cluster, config)
     e, t = model.activation_bytes, config.tp
 
@@ -79,7 +110,6 @@ def _step_seconds(model, cluster, config, global_batch, m):
 
     tokens = c.micro_batch_size * model.seq_len // c.cp
     activations = tokens * model.dim * e
-    full = c.recompute == "full"
 
     # per layer and micro-batch: exposed communication, forward and backward
     pair = on("tp", "all_gather", activations) + on("tp", "reduce_scatter", activations)
@@ -97,8 +127,6 @@ def _step_seconds(model, cluster, config, global_batch, m):
         cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
     a2a = on("ep", "all_to_all", tokens / t * model.top_k * model.dim * e * model.capacity_factor) if model.moe else 0
     ep_f = ep_b = 2 * a2a
-    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
-                  "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
 
     # the data axis, per layer (experts on their own copies' group)
     n, _ = links["dp"]
@@ -112,6 +140,30 @@ def _step_seconds(model, cluster, config, global_batch, m):
     gather = dp_layer("all_gather", model.param_bytes, *layer_args)
     reduce_op = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
     reduce = dp_layer(reduce_op, model.grad_bytes, *layer_args)
+    whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
+    pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
+    out_f, out_b = output_layer_seconds(model, cluster, c)
+    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b
+
+
+@_memo("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")
+def _optimizer_seconds(model, cluster, config):
+    """Adam on the rank's shard: its states read and written, memory-bound."""
+    return memory_bound_seconds(2 * sum(model_state_bytes(model, config, 0).values()), cluster)
+
+
+@_memo("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "recompute", "zero_stage", "v", "cp_mode", "tp_overlap",
+       *CHOICES)
+def _slowest_stage(model, cluster, config):
+    """Per micro-batch, on the pipeline stage whose F + B + W is longest: {compute, tp, cp, ep, pp, dp, F, B, W}
+    seconds; and the data axis's exposed seconds once per step (ZeRO-0/1's gradients, ZeRO-1/2's updated weights).
+    Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
+    c = config
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = _layer_terms(model, cluster, c)
+    full = c.recompute == "full"
+    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
+                  "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
+
     forward_layer = lt.forward + tp_f + cp_f + ep_f
     backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
     if full:
@@ -121,9 +173,6 @@ def _step_seconds(model, cluster, config, global_batch, m):
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
         return layers * max(0.0, comm - beside)
 
-    whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
-    pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
-    out_f, out_b = output_layer_seconds(model, cluster, c)
     counts = rank_layer_counts(model.num_layers, c.pp, c.v)
     fsdp = c.zero_stage == 3 and n > 1
     stages = []
@@ -145,19 +194,30 @@ def _step_seconds(model, cluster, config, global_batch, m):
         part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
         stages.append((layers, part))
     layers, part = max(stages, key=lambda item: item[1]["F"] + item[1]["B"] + item[1]["W"])
-
-    seconds = {group: m * part[group] for group in ("compute", "tp", "cp", "ep", "pp", "dp")}
-    seconds["bubble"] = bubble_seconds(c.schedule, c.pp, m, c.v, part["F"], part["B"], part["W"])
+    per_step = 0.0
     if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights
         if c.zero_stage <= 1:
-            seconds["dp"] += hidden_behind(reduce, backward_layer, layers) + reduce
+            per_step += hidden_behind(reduce, backward_layer, layers) + reduce
         if c.zero_stage in (1, 2):
-            seconds["dp"] += hidden_behind(gather, lt.forward, layers) + gather
-    shard = sum(model_state_bytes(model, c, 0).values())  # read and written by Adam
-    seconds["optimizer"] = memory_bound_seconds(2 * shard, cluster)
+            per_step += hidden_behind(gather, lt.forward, layers) + gather
+    return part, per_step
+
+
+@_memo()
+def _flops_per_token(model, cluster, config):
+    return model.flops_per_token()
+
+
+def _step_seconds(model, cluster, config, global_batch, m):
+    c = config
+    part, per_step = _slowest_stage(model, cluster, c)
+    seconds = {group: m * part[group] for group in ("compute", "tp", "cp", "ep", "pp", "dp")}
+    seconds["bubble"] = bubble_seconds(c.schedule, c.pp, m, c.v, part["F"], part["B"], part["W"])
+    seconds["dp"] += per_step
+    seconds["optimizer"] = _optimizer_seconds(model, cluster, c)
+    seconds["step"] = sum(seconds.values())  # compute, tp, cp, ep, pp, dp, bubble, optimizer
     seconds["exposed"] = seconds["dp"] + seconds["cp"]
-    seconds["step"] = sum(seconds[k] for k in ("compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer"))
-    model_flops = model.flops_per_token() * global_batch * model.seq_len
+    model_flops = _flops_per_token(model, cluster, c) * global_batch * model.seq_len
     seconds["flops_per_device"] = model_flops / cluster.num_devices / seconds["step"]
     seconds["mfu"] = seconds["flops_per_device"] / cluster.peak_flops
     return seconds
