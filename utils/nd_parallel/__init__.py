@@ -37,6 +37,7 @@ from utils.nd_parallel.fsdp_tensor import (
     measure_2d,
     my_tokens,
     sharded_over_tensor,
+    slowest_steps,
     step_time,
     tensor_sequence_parallel,
     tensor_shard,
