@@ -29,12 +29,14 @@ cells, as the instructor has them, with three rules:
   reference reaches the checking process only then: a rank of an exercise cannot find its reference in the
   memory it inherits, and solutions/ is not in the sandbox at all.
 
-The limits. What the ranks measure about the student's function (the collectives it called, their bytes) is
-measured in the process that runs it: a student who computes the right values can lie about how, not about what.
-Three exercises' checks need the student's code in the very process that checks it (an autograd Function run in
-one process, calls counted there: submission.CHECKED_IN_A_FORK); their check cells run in a fork of the checking
-process, whose outcome the student's code could forge: that exercise's only, never another's or another
-student's.
+The limits. What the ranks measure about the student's function (the collectives it called, their bytes, the
+blocks or layers it ran, the bytes autograd saved) is measured in the process that runs it: a student who computes
+the right values can lie about how, not about what. Three checks once called the student's code in the checking
+process itself (an autograd Function run in one process: 06's recompute, 09's blockwise attention, 11's B and W):
+they now run it in a rank of its own, which returns tensors and counts, and compare here like the rest. Only a few
+cells after a check (demos and measurements that call an autograd Function in their own process:
+submission.DEMOS_IN_A_FORK) run in a fork of the checking process, whose outcome the student's code could forge:
+that gains nothing, since the exercise passes only if its check cell, run here, passes too.
 
 Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
 other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only
