@@ -176,6 +176,20 @@ except OSError:
 socket.create_server(("127.0.0.1", 0)).close()  # loopback is up
 ''' % str(tmp_path)
         assert slot.run(1, probe) is None
+        reach_the_checker = '''
+import ctypes, os
+checker = os.getpid()
+pid = os.fork()
+if pid == 0:  # a rank: the checking process is not dumpable, and the sandbox leaves no capability to override it
+    refused = ctypes.CDLL(None, use_errno=True).ptrace(16, checker, 0, 0) == -1  # PTRACE_ATTACH
+    try:
+        open(f"/proc/{checker}/mem", "r+b").close()
+    except OSError:
+        os._exit(0 if refused else 1)
+    os._exit(2)
+assert os.waitpid(pid, 0)[1] == 0, "a fork of the checking process reached its memory"
+'''
+        assert slot.run(3, reach_the_checker) is None
         marker = f"grading-probe-{os.getpid()}"
         daemon = f"import subprocess; subprocess.Popen(['sh', '-c', 'sleep 30', {marker!r}], start_new_session=True)"
         assert slot.run(2, f"import os\nif os.fork() == 0:\n    {daemon}\n    os._exit(0)") is None
