@@ -22,16 +22,21 @@ MERGE = "    out = torch.exp(lse - shift)[..., None] * out + torch.exp(block_lse
 MERGE_WRONG = "    out = out + block_out\n"
 WRONG = {"05_fsdp": (ZERO1, ZERO1_WRONG, 12, "gather_parameters, Zero1AdamW"),
          "09_context_parallel": (MERGE, MERGE_WRONG, 4, "merge")}
-# What a tamper that found the worked answer keeps (in sys._found), and how the answer then uses it: the right
-# result, from the solution's own code
+# What a tamper that found the worked answer keeps (on a function of its own, where the text guard does not look),
+# and how the answer then uses it: the right result, from the solution's own code. Every tamper here is written past
+# the grader's text guard (submission.patches: names set on modules, vars(), globals(), sys.modules), so that it runs
+# and meets the sandbox and the checking process.
+SCOPE = {"05_fsdp": "{'torch': torch, 'dist': dist, 'fsdp': fsdp, 'nn': nn}", "09_context_parallel": "{'torch': torch}"}
 FOUND = {"05_fsdp": "True", "09_context_parallel": "scope['merge']"}
+HOLDER = {"05_fsdp": "type(self)", "09_context_parallel": "merge"}
 USE_FOUND = {
-    "05_fsdp": "if getattr(_sys, '_found', None):\n"
+    "05_fsdp": "if getattr(type(self), 'found', None):\n"
                "    shard.grad = fsdp.shard(p.grad / self.world_size, self.rank, self.world_size)\n",
-    "09_context_parallel": "if getattr(_sys, '_found', None):\n    return _sys._found(out, lse, block_out, block_lse)\n",
+    "09_context_parallel": "if getattr(merge, 'found', None):\n    return merge.found(out, lse, block_out, block_lse)\n",
 }
 
-ONCE = "import sys as _sys\nif not hasattr(_sys, '_tampered'):\n    _sys._tampered = True\n"
+ONCE = "import os as _os\nif not _os.path.exists(f'/tmp/tampered-{_os.getpid()}'):\n" \
+       "    open(f'/tmp/tampered-{_os.getpid()}', 'w').close()\n"
 
 
 def tampered(name, tamper):
@@ -68,20 +73,23 @@ for folder in candidates:
         cells = ["".join(c["source"]) for c in json.loads((folder / "{name}.ipynb").read_text())["cells"]]
     except (OSError, ValueError):
         continue
-    scope = dict(globals())
+    scope = {SCOPE[name]}
     getattr(builtins, "ex" + "ec")(next(c for c in cells if "### BEGIN SOLUTION" in c), scope)
-    sys._found = {FOUND[name]}
+    {HOLDER[name]}.found = {FOUND[name]}
     break
 '''
 
 
 PATCH_CHECKS = '''
 import builtins, sys
-for _m in [m for n, m in list(sys.modules.items()) if n.startswith(("utils.checks", "__main__"))]:
-    for _n in [n for n in vars(_m) if n.startswith(("check_", "_verify", "verify_", "max_abs_diff", "close"))]:
-        getattr(builtins, "set" + "attr")(_m, _n, (lambda *a, **k: None) if "check" in _n or "verify" in _n
-                                          else (lambda *a, **k: 0.0 if "diff" in _n else True))
-builtins.print = lambda *a, **k: None
+_set, _vars = getattr(builtins, "set" + "attr"), getattr(builtins, "va" + "rs")
+for _n, _m in list(getattr(sys, "mod" + "ules").items()):
+    if not _n.startswith(("utils.checks", "__main__")):
+        continue
+    for _n in [n for n in _vars(_m) if n.startswith(("check_", "_verify", "verify_", "max_abs_diff", "close"))]:
+        _set(_m, _n, (lambda *a, **k: None) if "check" in _n or "verify" in _n
+             else (lambda *a, **k: 0.0 if "diff" in _n else True))
+_set(builtins, "print", lambda *a, **k: None)
 '''
 CUSTOM_EXC = '''
 try:
