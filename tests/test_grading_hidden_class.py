@@ -1,7 +1,7 @@
 """A stand-in for the hidden class of issue 44, on notebooks 05 and 09: adversarial submissions (each tamper inside a
 wrong answer, so that only a forged verdict could pass it) and honest ones with one wrong earlier exercise. Target:
 no tampered exercise gets credit, no other row changes, nothing outlives its slot, and a wrong earlier exercise
-fails only itself. Slow: a class of 25 runs of notebooks 05 and 09 (about 15 minutes on 2 loaded cores)."""
+fails only itself. Slow: a class of 23 runs of notebooks 05 and 09 (6 to 20 minutes on 2 shared cores)."""
 import json
 import os
 import socket
@@ -103,12 +103,12 @@ for fd in os.listdir("/proc/self/fd"):
     try:
         if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
             for index in range(80):
-                os.write(int(fd), f'{"index": {index}, "error": null}\\n'.encode())
+                os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
     except OSError:
         pass
 '''
 EVIL_RETURN = '''
-import os
+import os, sys
 class Evil:
     def __reduce__(self):
         return (os.system, ("touch /submission/pwned",))
