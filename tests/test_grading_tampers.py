@@ -176,6 +176,20 @@ except OSError:
 socket.create_server(("127.0.0.1", 0)).close()  # loopback is up
 ''' % str(tmp_path)
         assert slot.run(1, probe) is None
+        reach_the_checker = '''
+import ctypes, os
+checker = os.getpid()
+pid = os.fork()
+if pid == 0:  # a rank: the checking process is not dumpable, and the sandbox leaves no capability to override it
+    refused = ctypes.CDLL(None, use_errno=True).ptrace(16, checker, 0, 0) == -1  # PTRACE_ATTACH
+    try:
+        open(f"/proc/{checker}/mem", "r+b").close()
+    except OSError:
+        os._exit(0 if refused else 1)
+    os._exit(2)
+assert os.waitpid(pid, 0)[1] == 0, "a fork of the checking process reached its memory"
+'''
+        assert slot.run(3, reach_the_checker) is None
         marker = f"grading-probe-{os.getpid()}"
         daemon = f"import subprocess; subprocess.Popen(['sh', '-c', 'sleep 30', {marker!r}], start_new_session=True)"
         assert slot.run(2, f"import os\nif os.fork() == 0:\n    {daemon}\n    os._exit(0)") is None
@@ -268,3 +282,70 @@ def test_a_wrong_exercise_fails_only_itself(tmp_path, monkeypatch):
         assert {r["verdict"] for r in verdicts.values()} == {"passed"}, rows[student]
         assert any(f"checked with the reference {wrong} (yours: failed)" in r["message"] for r in verdicts.values())
     assert not left
+
+
+# ---------------------------------------------------------------- the checks that once ran the student's code here
+
+# Inside the student's function: whatever a check in this process would read, patched to agree. The check runs the
+# function in a rank of its own and compares here, so none of it reaches the comparison.
+PATCH_THE_CHECK = '''
+    import builtins, sys
+    import torch as _torch
+    for _module in [m for n, m in list(sys.modules.items()) if n.startswith("utils.checks")]:
+        for _name in [n for n in vars(_module) if n.startswith(("check_", "_same", "close", "max_abs_diff"))]:
+            setattr(_module, _name, (lambda *a, **k: True) if not _name.startswith("check_") else
+                    (lambda *a, **k: None))
+    _torch.equal = _torch.allclose = lambda *a, **k: True
+    builtins.print = lambda *a, **k: None
+'''
+
+
+class LyingTensor(torch.Tensor):
+    """A tensor every comparison finds equal to anything."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.equal, torch.allclose, torch.Tensor.__eq__):
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.slow  # 1 s, and 5 to import 06's checks (torch._dynamo, torch.distributed.optim) on a loaded machine
+def test_recompute_that_patches_its_check_gets_no_credit():
+    """06: parameters' gradients dropped (wrong), the check, torch.equal and print patched from backward."""
+    from utils.checks.mixed_precision import check_recompute
+    from utils.notebooks import solution
+    wrong = solution("06_mixed_precision", replace={
+        "        return (None, *grads)\n": PATCH_THE_CHECK.replace("\n    ", "\n        ") +
+        "        return (None, grads[0], *[torch.zeros_like(g) for g in grads[1:]])\n"})
+    with pytest.raises(AssertionError, match="weight gradient differs"):
+        check_recompute(wrong.recompute, 8, 3, 6)
+    assert torch.equal is not None and not torch.equal(torch.zeros(1), torch.ones(1))
+
+
+@pytest.mark.slow  # 1 s, and seconds more to import 09's checks on a loaded machine
+def test_blockwise_attention_that_patches_its_check_or_lies_gets_no_credit():
+    """09: plain zeros, with the check patched; then the right values' shapes in tensors whose __eq__ lies."""
+    from utils.checks.context_parallel import check_blockwise_attention
+    from utils.notebooks import solution
+    patched = solution("09_context_parallel", replace={
+        "    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)":
+        PATCH_THE_CHECK + "    return torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype)"})
+    with pytest.raises(AssertionError, match="out differs from plain attention"):
+        check_blockwise_attention(patched.blockwise_attention)
+
+    def lying(q, k, v, block_size, mask="causal"):
+        return torch.zeros_like(q).as_subclass(LyingTensor), torch.zeros(q.shape[:-1]).as_subclass(LyingTensor)
+    with pytest.raises(AssertionError, match=r"must return \(out, lse\)"):
+        check_blockwise_attention(lying)
+
+
+def test_backward_split_that_patches_its_check_gets_no_credit():
+    """11: B returns the gradient it was given (wrong), with the check's comparisons patched from B."""
+    from utils.checks.pipeline import check_backward_split
+    from utils.notebooks import solution
+    wrong = solution("11_pipeline_schedules", replace={
+        "    (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)\n    return dx\n":
+        PATCH_THE_CHECK + "    return grad\n"})
+    with pytest.raises(AssertionError, match="returned the gradient it was given"):
+        check_backward_split(wrong.backward_input, wrong.backward_weight, 8, 4, 8, 2)

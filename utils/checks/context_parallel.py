@@ -16,7 +16,7 @@ from utils import ring_attention as ra
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_diff, spawn_explaining_stalls
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import RankError, runnable_world_sizes
+from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.nd_parallel.communication import raised_in
 from utils.transformer import (
     TransformerSizes,
@@ -204,28 +204,51 @@ CARRIED = ("the running (out, lse) was not reset for each block of queries: a bl
            "keys of the blocks of queries before it too; start each block of queries afresh (out = lse = None)")
 
 
-def check_blockwise_attention(blockwise_attention):
-    """Attention in blocks equals plain attention and SDPA: causal and not, block sizes that divide the sequence,
-    that do not, of 1 and longer than it; no score computed in a block the causal mask hides entirely."""
-    q, k, v = ra.attention_inputs(2, 2, 12, 4, seed=5)
+BLOCK_SIZES = (4, 5, 1, 12, 16)  # over 12 positions: dividing it, not, of 1, all of it, longer than it
+
+
+def _blockwise_runs(rank, world_size, blockwise_attention, q, k, v):
+    """In a rank of its own (the student's code runs nowhere else): per mask and block size, ("raised", the
+    RuntimeError's message) or ("returned", (out, lse) or the type it returned instead, the blocks it computed)."""
+    runs = []
     for mask in ra.MASKS:
-        want_out, want_lse = ra.reference_attention(q, k, v, mask)
-        assert close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention
-        for block_size in (4, 5, 1, 12, 16):
-            case = f"block_size {block_size}, mask {mask!r}, sequence 12"
+        for block_size in BLOCK_SIZES:
             calls = []
             try:
                 with traced_blocks(calls):
                     got = blockwise_attention(q.clone(), k.clone(), v.clone(), block_size, mask)
-            except RuntimeError as e:  # a library error inside the student's function: what in it caused it
-                raise AssertionError(f"{case}: blockwise_attention raised RuntimeError: {str(e).splitlines()[0]}" + (
+            except RuntimeError as e:  # a library error inside the student's function: the check names its cause
+                runs.append(("raised", str(e)))
+                continue
+            pair = isinstance(got, tuple) and len(got) == 2 and all(type(t) is torch.Tensor for t in got)
+            runs.append(("returned", tuple(t.detach() for t in got) if pair else type(got).__name__,
+                         [(kind, qp, kp) for kind, qp, kp, _ in calls]))
+    return runs
+
+
+def check_blockwise_attention(blockwise_attention):
+    """Attention in blocks equals plain attention and SDPA: causal and not, block sizes that divide the sequence,
+    that do not, of 1 and longer than it; no score computed in a block the causal mask hides entirely. The student's
+    function runs in a rank of its own, which returns what it computed as data; the comparison runs here. The blocks
+    it computed are counted in that rank (by ra.block_attention, traced there): code that computes the right values
+    could lie about them, not about the values."""
+    q, k, v = ra.attention_inputs(2, 2, 12, 4, seed=5)
+    runs = iter(spawn(_blockwise_runs, 1, blockwise_attention, q, k, v, timeout=CHECK_TIMEOUT)[0])
+    for mask in ra.MASKS:
+        want_out, want_lse = ra.reference_attention(q, k, v, mask)
+        assert close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention
+        for block_size in BLOCK_SIZES:
+            case = f"block_size {block_size}, mask {mask!r}, sequence 12"
+            how, got, *calls = next(runs)
+            if how == "raised":
+                raise AssertionError(f"{case}: blockwise_attention raised RuntimeError: {got.splitlines()[0]}" + (
                     f": {CARRIED}, and this block of queries has {12 % block_size} where the one before had "
-                    f"{block_size}" if 12 % block_size and "size of tensor" in str(e) else
+                    f"{block_size}" if 12 % block_size and "size of tensor" in got else
                     ": each block of queries (q[..., q_pos, :]) meets each block of keys (k[..., k_pos, :]); merge "
-                    "pieces of the same queries only")) from e
-            if not (isinstance(got, tuple) and len(got) == 2):
-                raise AssertionError(f"{case}: blockwise_attention must return (out, lse), got {type(got).__name__}")
-            got_out, got_lse = got
+                    "pieces of the same queries only"))
+            if isinstance(got, str):
+                raise AssertionError(f"{case}: blockwise_attention must return (out, lse), got {got}")
+            (got_out, got_lse), calls = got, [(kind, qp, kp, None) for kind, qp, kp in calls[0]]
             if got_out.shape != want_out.shape:
                 rows = got_out.shape[-2] if got_out.dim() >= 2 else "?"
                 raise AssertionError(

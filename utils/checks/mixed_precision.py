@@ -540,15 +540,30 @@ def check_recompute(recompute, hidden_dim, num_layers, batch_size, seed=0, dtype
         _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
 
 
+def _recompute_run(rank, world_size, recompute, hidden_dim, num_layers, batch_size, seed, dtype):
+    """In a rank of its own (the student's code runs nowhere else): _forward_backward's results with `recompute`,
+    or the message of the RuntimeError it raised."""
+    with one_thread():
+        try:
+            return _forward_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
+                                     make_batch(batch_size, hidden_dim, seed, 0, dtype), recompute)
+        except RuntimeError as e:
+            return str(e)
+
+
 def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype):
+    """The student's recompute runs in a rank of its own, which returns its loss, gradients and counts as data; the
+    comparison runs here. The counts (layer calls, bytes saved) are taken in that rank, by hooks installed before
+    the student's code runs: code that computes the right gradients could lie about them, not about the values."""
     model = build_mlp(hidden_dim, num_layers, seed, dtype)
     x = make_batch(batch_size, hidden_dim, seed, 0, dtype)
     loss, grads, saved, _, _ = _forward_backward(model, x)
-    try:
-        got_loss, got, got_saved, forward_calls, backward_calls = _forward_backward(model, x, recompute)
-    except RuntimeError as e:
-        hint = next((h for words, h in RECOMPUTE_ERRORS if words in str(e)), "see the error")
-        raise AssertionError(f"recompute: backward raised {type(e).__name__}: {str(e).splitlines()[0]}; {hint}") from e
+    run = spawn(_recompute_run, 1, recompute, hidden_dim, num_layers, batch_size, seed, dtype,
+                timeout=CHECK_TIMEOUT)[0]
+    if isinstance(run, str):
+        hint = next((h for words, h in RECOMPUTE_ERRORS if words in run), "see the error")
+        raise AssertionError(f"recompute: backward raised RuntimeError: {run.splitlines()[0]}; {hint}")
+    got_loss, got, got_saved, forward_calls, backward_calls = run
     e = torch.tensor([], dtype=dtype).element_size()
     want = activation_bytes_formula(batch_size, hidden_dim, num_layers, e, recompute=True)
     assert torch.equal(got_loss, loss), "recompute: the loss differs from the plain forward's: return block(x)"

@@ -623,22 +623,6 @@ SPLIT_ERRORS = [  # (words in the error autograd raised, what in B or W caused i
 ]
 
 
-def _call_split(where, fn, *args):
-    """fn(*args), a library's error raised inside it turned into an AssertionError naming its cause."""
-    try:
-        return fn(*args)
-    except AssertionError:
-        raise
-    except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else ""
-        hint = next((h for words, h in SPLIT_ERRORS if words in text), None)
-        raise AssertionError(f"{where}: raised {type(e).__name__}: {text}" + (f": {hint}" if hint else "")) from None
-
-
-def _run_w(where, backward_weight, piece, y, grad):
-    _call_split(where, backward_weight, piece, y, grad)
-
-
 def _expect_weights(where, piece, want, names, m, one=None, ones=None):
     for p, w, name in zip(piece.parameters(), want, names):
         if p.grad is None:
@@ -661,57 +645,111 @@ def _expect_weights(where, piece, want, names, m, one=None, ones=None):
                              f"{max_abs_diff(p.grad, w):.3g} (bit for bit expected: W walks the same graph)")
 
 
-def _check_split_piece(backward_input, backward_weight, piece_index, sizes, m):
+def _split_piece(piece_index, sizes, m):
+    """A fresh piece, its micro-batches' inputs, and its name."""
     hidden_dim, num_layers, batch_size, seed = sizes
-    names = parameter_names(num_layers)
     piece = pp.Stage(piece_index, SPLIT_PIECES, hidden_dim, num_layers, seed)
-    names = [names[i] for i in piece.layer_indices]
-    kind = "first" if piece.is_first else "last" if piece.is_last else "middle"
     batch = make_batch(batch_size, hidden_dim, seed)
-    inputs, want_dx, want_grads = _split_reference(piece_index, sizes, m)
-    xs = _piece_inputs(piece, batch.chunk(m), inputs)
-    ys = []
-    with pp.record_step(piece, split=True) as record:
-        for x in xs:
-            y = piece(x)
-            ys.append(loss_fn(y) / m if piece.is_last else y)
-        for i, (x, y) in enumerate(zip(xs, ys)):
-            where = f"backward_input on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
-            dx = _call_split(where, backward_input, x, y, _upstream(piece, y, seed, i))
-            touched = [n for p, n in zip(piece.parameters(), names) if p.grad is not None]
-            if touched:
-                raise AssertionError(f"{where}: B left {touched[0]}.grad set: B alone must leave the weights' .grad "
-                                     f"untouched (ask autograd for the input's gradient only: inputs=, or "
-                                     f"torch.autograd.grad); W accumulates them later")
-            if piece.is_first:
-                if dx is not None:
-                    raise AssertionError(f"{where}: returned a tensor; the first piece's input is the data, which "
-                                         f"needs no gradient: return None")
-                continue
-            if not _same(dx, want_dx[i]):
-                what = ("a tuple: torch.autograd.grad returns one gradient per input, unpack it ((dx,) = ...)"
-                        if isinstance(dx, (tuple, list)) else f"a {type(dx).__name__}") \
-                    if not isinstance(dx, torch.Tensor) else (
+    inputs = [_reference_activations(hidden_dim, num_layers, mb, seed) for mb in batch.chunk(m)]
+    return piece, _piece_inputs(piece, batch.chunk(m), inputs), "first" if piece.is_first else "last" if \
+        piece.is_last else "middle"
+
+
+def _split_forwards(piece, xs):
+    """Each micro-batch's output (the loss's share on the last piece)."""
+    return [loss_fn(piece(x)) / len(xs) if piece.is_last else piece(x) for x in xs]
+
+
+def _as_data(value):
+    """What B returned, as the checking process may read it: None, a tensor, or the name of what it was."""
+    if value is None or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return None if value is None else value.detach()
+    return "a tuple" if isinstance(value, (tuple, list)) else f"a {type(value).__name__}"
+
+
+def _split_runs(rank, world_size, backward_input, backward_weight, sizes, cases):
+    """In a rank of its own (the student's code runs nowhere else), per (m, piece): B of each micro-batch (what it
+    returned, the weights whose .grad it set), then W of each; the weights' .grad after, and the backward calls as
+    autograd saw them. A B or W that raises ends its case: (its micro-batch, exception name, first line)."""
+    runs = []
+    for m, piece_index in cases:
+        piece, xs, _ = _split_piece(piece_index, sizes, m)
+        names = [f"{i}" for i, _ in enumerate(piece.parameters())]
+        run = dict(b=[], b_raised=None, w_raised=None, grads=None, kinds="")
+        with pp.record_step(piece, split=True) as record:
+            ys = _split_forwards(piece, xs)
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                try:
+                    dx = backward_input(x, y, _upstream(piece, y, sizes[3], i))
+                except Exception as e:
+                    run["b_raised"] = (i, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    break
+                run["b"].append((_as_data(dx), [n for p, n in zip(piece.parameters(), names) if p.grad is not None]))
+            for i, y in enumerate(ys if run["b_raised"] is None else []):
+                try:
+                    backward_weight(piece, y, _upstream(piece, y, sizes[3], i))
+                except Exception as e:
+                    run["w_raised"] = (i, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    break
+        run["grads"] = [None if p.grad is None else p.grad.detach() for p in piece.parameters()]
+        run["kinds"] = "".join(e.kind for e in sorted(record.events, key=lambda e: e.start) if e.kind != "F")
+        runs.append(run)
+    return runs
+
+
+def _raised(where, raised):
+    """The AssertionError for a B or W that raised: its own, or the library's error with its cause named."""
+    _, name, text = raised
+    if name == "AssertionError":
+        raise AssertionError(f"{where}: {text}")
+    hint = next((h for words, h in SPLIT_ERRORS if words in text), None)
+    raise AssertionError(f"{where}: raised {name}: {text}" + (f": {hint}" if hint else ""))
+
+
+def _check_split_piece(run, piece_index, sizes, m):
+    """What the student's B and W did on one piece (_split_runs), against full backwards, in this process."""
+    hidden_dim, num_layers, batch_size, seed = sizes
+    piece, xs, kind = _split_piece(piece_index, sizes, m)
+    ys = _split_forwards(piece, xs)
+    names = [parameter_names(num_layers)[i] for i in piece.layer_indices]
+    _, want_dx, want_grads = _split_reference(piece_index, sizes, m)
+    for i, y in enumerate(ys):
+        where = f"backward_input on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
+        if run["b_raised"] and run["b_raised"][0] == i:
+            _raised(where, run["b_raised"])
+        dx, touched = run["b"][i]
+        if touched:
+            raise AssertionError(f"{where}: B left {names[int(touched[0])]}.grad set: B alone must leave the weights' "
+                                 f".grad untouched (ask autograd for the input's gradient only: inputs=, or "
+                                 f"torch.autograd.grad); W accumulates them later")
+        if piece.is_first:
+            if dx is not None:
+                raise AssertionError(f"{where}: returned a tensor; the first piece's input is the data, which "
+                                     f"needs no gradient: return None")
+            continue
+        if not _same(dx, want_dx[i]):
+            what = ((dx + ": torch.autograd.grad returns one gradient per input, unpack it ((dx,) = ...)"
+                     if dx == "a tuple" else dx) if isinstance(dx, str) else "a NoneType" if dx is None else
                     "the gradient it was given, not the input's" if _same(dx, _upstream(piece, y, seed, i)) else
                     f"off by {max_abs_diff(dx, want_dx[i]):.3g}" if dx.shape == want_dx[i].shape else
                     f"of shape {tuple(dx.shape)}")
-                raise AssertionError(f"{where}: returned {what}; expected the gradient of the piece's input, equal "
-                                     f"bit for bit to the full backward's x.grad")
-        one = None
-        for i, y in enumerate(ys):
-            where = f"backward_weight on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}"
-            _run_w(where, backward_weight, piece, y, _upstream(piece, y, seed, i))
-            if i == len(ys) - 2:  # what the weights would hold if W overwrote: the last micro-batch alone
-                one = _last_alone(piece_index, sizes, m, names)
+            raise AssertionError(f"{where}: returned {what}; expected the gradient of the piece's input, equal "
+                                 f"bit for bit to the full backward's x.grad")
+    if run["w_raised"]:
+        i = run["w_raised"][0]
+        _raised(f"backward_weight on the {kind} piece (layers {list(piece.layer_indices)}), micro-batch {i}",
+                run["w_raised"])
+    one = _last_alone(piece_index, sizes, m, names) if m > 1 else None
+    for p, grad in zip(piece.parameters(), run["grads"]):
+        p.grad = grad
     where = (f"B then W on the {kind} piece (layers {list(piece.layer_indices)}), W deferred until the B's of all "
              f"{m} micro-batches")
     _expect_weights(where, piece, want_grads, names, m, one,
                     _weights_after(piece_index, sizes, m, names, range(m), ones=True))
-    kinds = "".join(e.kind for e in sorted(record.events, key=lambda e: e.start) if e.kind != "F")
     want = "W" * m if piece.is_first else "B" * m + "W" * m
-    if kinds != want:
-        raise AssertionError(f"{where}: the backward calls, as autograd saw them, were {' '.join(kinds)}; expected "
-                             f"{' '.join(want)}: W must compute only the weights' gradients (inputs= the "
+    if run["kinds"] != want:
+        raise AssertionError(f"{where}: the backward calls, as autograd saw them, were {' '.join(run['kinds'])}; "
+                             f"expected {' '.join(want)}: W must compute only the weights' gradients (inputs= the "
                              f"parameters), not the input's again")
 
 
@@ -738,12 +776,16 @@ def _last_alone(piece_index, sizes, m, names):
 def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers, batch_size, num_micro_batches,
                          seed=0):
     """B and W on the first, a middle and the last of 3 pieces, one micro-batch and then num_micro_batches with
-    every W deferred after every B: against full backwards, bit for bit (in this process: no ranks)."""
+    every W deferred after every B: against full backwards, bit for bit. B and W run in a rank of their own, which
+    returns what they computed as data; the comparison runs here. The backward calls autograd saw are recorded in
+    that rank: code that computes the right gradients could lie about them, not about the gradients."""
     pp.check_sizes(num_layers, SPLIT_PIECES, batch_size, num_micro_batches)
     sizes = (hidden_dim, num_layers, batch_size, seed)
     counts = sorted({1, num_micro_batches})
-    for m, piece_index in itertools.product(counts, range(SPLIT_PIECES)):
-        _check_split_piece(backward_input, backward_weight, piece_index, sizes, m)
+    cases = list(itertools.product(counts, range(SPLIT_PIECES)))
+    runs = spawn(_split_runs, 1, backward_input, backward_weight, sizes, cases, timeout=CHECK_TIMEOUT)[0]
+    for run, (m, piece_index) in zip(runs, cases):
+        _check_split_piece(run, piece_index, sizes, m)
     print(f"backward_input (B) and backward_weight (W): correct on the first, a middle and the last of "
           f"{SPLIT_PIECES} pieces, micro-batches {counts}")
     print("  B alone leaves every .grad untouched; B then W equals one full backward bit for bit (the input's "

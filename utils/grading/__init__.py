@@ -29,12 +29,24 @@ cells, as the instructor has them, with three rules:
   reference reaches the checking process only then: a rank of an exercise cannot find its reference in the
   memory it inherits, and solutions/ is not in the sandbox at all.
 
-The limits. What the ranks measure about the student's function (the collectives it called, their bytes) is
-measured in the process that runs it: a student who computes the right values can lie about how, not about what.
-Three exercises' checks need the student's code in the very process that checks it (an autograd Function run in
-one process, calls counted there: submission.CHECKED_IN_A_FORK); their check cells run in a fork of the checking
-process, whose outcome the student's code could forge: that exercise's only, never another's or another
-student's.
+The limits. The values a student's function computed are compared here; what a rank records about *how* it computed
+them is measured in the process that runs the student's code, and that code can fake it: the communication calls
+and the bytes handed to them (utils.intercept, utils.counting: installed before the student's code runs, but a
+Python wrapper that code can remove, bypass by calling the process group directly, or whose log it can edit through
+the frames or the garbage collector before the rank reports), the blocks 09's blockwise attention computed, the
+layer calls and the bytes autograd saved in 06's recompute, the backward calls autograd saw in 11's B and W, the
+memory a MemoryTracker saw. A pipe for that log would not help: the student's code holds every descriptor of its
+process. What the kernel counts for a whole process (bytes written to its sockets, /proc/<pid>/io) a rank cannot
+lower, but it can hand the work to a process it forks, and no check's verdict needs it today. So a student who
+computes the right values can get credit for an exercise whose point is the method (a ring built on
+dist.all_reduce, a recompute that saves every activation, blocks the mask hides computed anyway) by forging these
+counts: that exercise's only, never another's or another student's, and only with code written to forge them,
+which a reader of the submission sees. Three checks once called the student's code in the checking process itself
+(an autograd Function run in one process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it
+in a rank of its own, which returns tensors and counts, and compare here like the rest. Only a few cells after a
+check (demos that call an autograd Function in their own process: submission.DEMOS_IN_A_FORK) run in a fork of the
+checking process, whose outcome the student's code could forge: that gains nothing, since the exercise passes only
+if its check cell, run here, passes too.
 
 Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
 other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only

@@ -140,8 +140,7 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
                 if exercise and isinstance(own[exercise.name], tuple):
                     graded, functions = own[exercise.name]
                     error = slot.run(i, graded if i in at else source, functions if i in at else (),
-                                     fork=i not in at and exercise.name in submission.CHECKED_IN_A_FORK.get(
-                                         assignment.name, ()))
+                                     fork=i not in at and submission.in_a_fork(assignment.name, exercise, source))
                     if error and exercise.name not in verdicts:
                         verdicts[exercise.name] = verdict_of(error, exercise)
                 else:

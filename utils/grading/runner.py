@@ -223,10 +223,11 @@ def read_pickles_as_data():
 
 
 def run_in_fork(code, namespace):
-    """Run a check cell in a fork of this process, where the student's functions run as they are (a check that
-    needs them here, as an autograd Function in one process): its outcome, [name, message] or None, comes back
-    through a pipe of its own, which its ranks do not hold. The fork ran the student's code: the outcome of this
-    one cell could be forged; nothing else can be (the cell's definitions stay in the fork)."""
+    """Run a cell in a fork of this process, where the student's functions run as they are (a demo after a check
+    that calls an autograd Function in its own process: utils.grading.submission.DEMOS_IN_A_FORK): its outcome,
+    [name, message] or None, comes back through a pipe of its own, which its ranks do not hold. The fork ran the
+    student's code: the outcome of this one cell could be forged, never the check cell's (run here), and the cell's
+    definitions stay in the fork."""
     def report():  # in the fork: the cell's outcome, whatever it is
         error = None
         try:

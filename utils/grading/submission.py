@@ -17,15 +17,17 @@ import ast
 import dataclasses
 import difflib
 import functools
+import re
 
 from utils.notebooks import BEGIN, ROOT, SKIP_IN_SCRIPT, TIMING, read, split_solutions, student_notebook
 
 SKIPPED = {TIMING, SKIP_IN_SCRIPT}  # cells a graded run leaves out
-# Exercises whose checks run the student's code in the checking process itself (an autograd Function run in one
-# process): their check cells run in a fork of it (utils.grading.runner.run_in_fork). Only there could a student's
-# code forge a verdict, and only its own exercise's.
-CHECKED_IN_A_FORK = {"06_mixed_precision": {"Recompute"}, "09_context_parallel": {"blockwise_attention"},
-                     "11_pipeline_schedules": {"backward_input, backward_weight"}}
+# Exercises with cells after their check (demos, measurements) that call the student's functions in the very process
+# that runs them (an autograd Function run in one process): those cells run in a fork of the checking process
+# (utils.grading.runner.run_in_fork), whose outcome the student's code could forge. That gains nothing: the
+# exercise passes only if its check cell (the one calling a check_ function, which runs the student's code in ranks
+# and compares in the checking process) passes too, and a fork's definitions stay in the fork.
+DEMOS_IN_A_FORK = {"06_mixed_precision": {"Recompute"}, "09_context_parallel": {"blockwise_attention"}}
 MATCH = 0.5  # the share of a course cell's (or notebook's) lines a submission must have to be its copy
 
 
@@ -161,6 +163,11 @@ def read_answers(nb, assignment):
         if missing:
             tampered[exercise.name] = f"check cell {missing[0]} was edited or deleted in the submission"
     return answers, tampered
+
+
+def in_a_fork(assignment, exercise, source):
+    """Whether the check cell `source` of `exercise` runs in a fork of the checking process (DEMOS_IN_A_FORK)."""
+    return exercise.name in DEMOS_IN_A_FORK.get(assignment, ()) and not re.search(r"\bcheck_\w+\(", source)
 
 
 def attempted(answer, exercise):
