@@ -547,6 +547,8 @@ def _recompute_run(rank, world_size, recompute, hidden_dim, num_layers, batch_si
         try:
             return _forward_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
                                      make_batch(batch_size, hidden_dim, seed, 0, dtype), recompute)
+        except NotImplementedError:  # not attempted yet: said as such, as every exercise says it
+            raise
         except RuntimeError as e:
             return str(e)
 
