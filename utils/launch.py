@@ -181,6 +181,15 @@ def under_torchrun():
     return all(name in os.environ for name in TORCHRUN_ENV)
 
 
+def apart(fn, *args, timeout=60.0):
+    """fn(0, 1, *args) in a process of its own (a rank of one, as spawn starts it), its result returned: the caller
+    runs none of fn's code (the grader's checks: utils/grading). Under torchrun, which starts every rank, each rank
+    calls fn itself."""
+    if under_torchrun():
+        return fn(0, 1, *args)
+    return spawn(fn, 1, *args, timeout=timeout)[0]
+
+
 def runnable_world_sizes(world_sizes):
     """The world sizes spawn can start here: all of them, or under torchrun only torchrun's own."""
     return [int(os.environ["WORLD_SIZE"])] if under_torchrun() else list(world_sizes)

@@ -16,7 +16,7 @@ from utils import ring_attention as ra
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, close, confirmed, max_abs_diff, spawn_explaining_stalls
 from utils.context_parallel import LEARNING_RATE, train_main, use_attention
 from utils.intercept import COLLECTIVES, RECEIVES, SENDS, intercept
-from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.launch import RankError, apart, runnable_world_sizes, spawn
 from utils.nd_parallel.communication import raised_in
 from utils.transformer import (
     TransformerSizes,
@@ -235,7 +235,7 @@ def check_blockwise_attention(blockwise_attention):
     it computed are counted in that rank (by ra.block_attention, traced there): code that computes the right values
     could lie about them, not about the values."""
     q, k, v = ra.attention_inputs(2, 2, 12, 4, seed=5)
-    runs = iter(spawn(_blockwise_runs, 1, blockwise_attention, q, k, v, timeout=CHECK_TIMEOUT)[0])
+    runs = iter(apart(_blockwise_runs, blockwise_attention, q, k, v, timeout=CHECK_TIMEOUT))
     for mask in ra.MASKS:
         want_out, want_lse = ra.reference_attention(q, k, v, mask)
         assert close(ra.sdpa(q, k, v, mask), want_out)  # the reference is PyTorch's attention

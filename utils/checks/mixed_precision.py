@@ -21,7 +21,7 @@ from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
 from utils.checks.fsdp import checked_sizes, ranks_and_sizes, verify_calls, verify_units, world_configurations
 from utils.intercept import intercept
-from utils.launch import RankError, spawn
+from utils.launch import RankError, apart, spawn
 from utils.mixed_precision import (
     SHORT,
     SavedActivations,
@@ -560,8 +560,7 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
     model = build_mlp(hidden_dim, num_layers, seed, dtype)
     x = make_batch(batch_size, hidden_dim, seed, 0, dtype)
     loss, grads, saved, _, _ = _forward_backward(model, x)
-    run = spawn(_recompute_run, 1, recompute, hidden_dim, num_layers, batch_size, seed, dtype,
-                timeout=CHECK_TIMEOUT)[0]
+    run = apart(_recompute_run, recompute, hidden_dim, num_layers, batch_size, seed, dtype, timeout=CHECK_TIMEOUT)
     if isinstance(run, str):
         hint = next((h for words, h in RECOMPUTE_ERRORS if words in run), "see the error")
         raise AssertionError(f"recompute: backward raised RuntimeError: {run.splitlines()[0]}; {hint}")

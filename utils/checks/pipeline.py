@@ -45,7 +45,7 @@ from utils import pipeline as pp
 from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.intercept import RECEIVES, SENDS, intercept
-from utils.launch import RankError, runnable_world_sizes, spawn
+from utils.launch import RankError, apart, runnable_world_sizes, spawn
 from utils.nd_parallel import journal_message, unpaired_messages
 from utils.model import build_mlp, loss_fn, make_batch, parameter_names, reference_gradients, train_reference
 
@@ -787,7 +787,7 @@ def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers
     sizes = (hidden_dim, num_layers, batch_size, seed)
     counts = sorted({1, num_micro_batches})
     cases = list(itertools.product(counts, range(SPLIT_PIECES)))
-    runs = spawn(_split_runs, 1, backward_input, backward_weight, sizes, cases, timeout=CHECK_TIMEOUT)[0]
+    runs = apart(_split_runs, backward_input, backward_weight, sizes, cases, timeout=CHECK_TIMEOUT)
     for run, (m, piece_index) in zip(runs, cases):
         _check_split_piece(run, piece_index, sizes, m)
     print(f"backward_input (B) and backward_weight (W): correct on the first, a middle and the last of "
