@@ -10,6 +10,7 @@ import time
 import pytest
 from test_grade import handed_in, run_grader, write_class
 from test_grading_tampers import _cmdline, checks_digest
+from test_grading_tampers import phone_home_code as phone_home
 
 from utils.grading import sandbox
 from utils.notebooks import ROOT
@@ -183,16 +184,6 @@ for folder in glob.glob({str(runs)!r} + "/*") + glob.glob(tempfile.gettempdir() 
         pass
 try:
     open(pathlib.Path(utils.__file__).parent / "checks" / "fsdp.py", "a").write("\\n")
-except OSError:
-    pass
-'''
-
-
-def phone_home(port):
-    return f'''
-import socket
-try:
-    socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"pwned")
 except OSError:
     pass
 '''

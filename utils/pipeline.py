@@ -288,26 +288,17 @@ def _dependency(events_by_stage, stage, event):
 
 
 def replay(events_by_stage):
-    """The same step with free hand-offs and no time between computations: each event, as long as it
-    was measured, starts as soon as the one before it on its stage and the one it needs on a neighbour
-    have ended. What idle time is left is the schedule's own (unequal stages included)."""
+    """The same step with free hand-offs and no time between computations: each event, as long as it was
+    measured, starts as soon as the one before it on its stage and the one it needs on a neighbour have ended
+    (`play`, on the recorded orders). What idle time is left is the schedule's own (unequal stages included)."""
     events = [sorted(stage, key=lambda e: e.start) for stage in events_by_stage]
-    t0 = min(stage[0].start for stage in events)
-    ends = {}
-
-    def end(stage, k):
-        if (stage, k) not in ends:
-            event, ready = events[stage][k], t0
-            if k:
-                ready = end(stage, k - 1)
-            needed = _dependency(events, stage, event)
-            if needed is not None:
-                ready = max(ready, end(*needed))
-            ends[stage, k] = ready + event.end - event.start
-        return ends[stage, k]
-
-    return [[e._replace(start=end(s, k) - (e.end - e.start), end=end(s, k)) for k, e in enumerate(stage)]
-            for s, stage in enumerate(events)]
+    p, t0 = len(events), min(stage[0].start for stage in events)
+    seconds = {(e.kind, s + e.piece * p, e.micro_batch): e.end - e.start for s, stage in enumerate(events) for e in stage}
+    orders = [[(e.kind, e.piece, e.micro_batch) for e in stage] for stage in events]
+    num_virtual = 1 + max(e.piece for stage in events for e in stage)
+    timelines, _ = play(orders, num_virtual, lambda kind, piece, i: seconds[kind, piece, i])
+    return [[Event(kind, i, t0 + start, t0 + end, chunk) for kind, chunk, i, start, end in timeline]
+            for timeline in timelines]
 
 
 def hand_off_delays(events_by_stage):

@@ -38,7 +38,6 @@ from utils.nd_parallel.fsdp_tensor import (
     my_tokens,
     sharded_over_tensor,
     slowest_steps,
-    step_time,
     tensor_sequence_parallel,
     tensor_shard,
     train_2d_main,

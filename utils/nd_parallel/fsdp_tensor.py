@@ -292,8 +292,3 @@ def slowest_steps(seconds_by_rank):
     """Each step's seconds on its slowest rank (a step ends with its last rank), the first step left out (it opens
     gloo's connections): the samples of utils.bench.spread."""
     return [max(step) for step in zip(*seconds_by_rank)][1:]
-
-
-def step_time(seconds_by_rank):
-    """The slowest rank's median step time over the steps after the first (each rank's list of step seconds)."""
-    return max(sorted(seconds[1:])[len(seconds[1:]) // 2] for seconds in seconds_by_rank)
