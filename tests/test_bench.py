@@ -8,12 +8,12 @@ from utils.launch import spawn
 
 
 def test_spread_is_the_median_and_the_range():
-    assert bench.spread([0.3, 0.1, 0.2, 0.5, 0.4]) == bench.Spread(0.3, 0.1, 0.5)
+    assert bench.spread([0.3, 0.1, 0.2, 0.5, 0.4]) == bench.Spread(0.3, 0.1, 0.5, 5)
     assert bench.format_spread(bench.Spread(0.0148, 0.0139, 0.0162)) == "14.8 ms (13.9 to 16.2)"
 
 
 def test_separated_spreads_give_the_order():
-    fast, slow = bench.spread([1.0, 1.1, 1.2]), bench.spread([2.0, 2.1, 2.3])
+    fast, slow = bench.spread([1.0, 1.1, 1.2, 1.1, 1.15]), bench.spread([2.0, 2.1, 2.3, 2.2, 2.1])
     assert bench.order_verdict({"slow": slow, "fast": fast}) == "fastest to slowest: fast < slow"
 
 
@@ -23,19 +23,32 @@ def test_overlapping_spreads_cannot_be_separated_even_when_the_medians_differ():
 
 
 def test_an_order_of_several_marks_the_pairs_it_cannot_separate():
-    spreads = {"c": bench.spread([5, 6]), "b": bench.spread([2.5, 3.5]), "a": bench.spread([1, 3])}
+    spreads = {"c": bench.spread([5, 6, 5, 6, 5]), "b": bench.spread([2.5, 3.5, 3, 3, 3]),
+               "a": bench.spread([1, 3, 2, 2, 2])}
     assert bench.order_verdict(spreads) == "fastest to slowest: a ~ b < c (~: this machine cannot separate them)"
 
 
 def test_an_order_of_another_measure_names_its_ends():
-    idle = {"1F1B": bench.spread([0.30, 0.35]), "ZB-H1": bench.spread([0.10, 0.12])}
+    idle = {"1F1B": bench.spread([0.30, 0.35, 0.31, 0.32, 0.33]),
+            "ZB-H1": bench.spread([0.10, 0.12, 0.11, 0.11, 0.10])}
     assert bench.order_verdict(idle, ("least idle", "most idle")) == "least idle to most idle: ZB-H1 < 1F1B"
 
 
 def test_separated_spreads_give_the_ratio_and_its_range():
-    a, b = bench.spread([3.0, 3.2, 3.5]), bench.spread([1.0, 1.1, 1.2])
+    a, b = bench.spread([3.0, 3.2, 3.5, 3.2, 3.2]), bench.spread([1.0, 1.1, 1.2, 1.1, 1.1])
     assert bench.ratio_verdict("ranks", a, "one process", b) == \
         "ranks / one process = 2.91 (runs allow 2.50 to 3.50)"
+
+
+def test_three_runs_each_are_too_few_to_claim_an_order_even_when_they_separate():
+    # of the 20 orders of 6 alike runs, 2 separate them: a claim from 3 runs each would be wrong 1 time in 10
+    assert bench.chance_of_separating(3, 3) == 0.1
+    assert bench.chance_of_separating(4, 4) > bench.CHANCE > bench.chance_of_separating(5, 5)
+    fast, slow = bench.spread([1.0, 1.1, 1.2]), bench.spread([2.0, 2.1, 2.3])
+    assert bench.order_verdict({"fast": fast, "slow": slow}) == \
+        "this machine cannot separate fast and slow: 3 runs are too few to tell"
+    assert bench.ratio_verdict("slow", slow, "fast", fast).startswith(
+        "this machine cannot separate slow and fast: 3 runs are too few to tell (ratio 1.67")
 
 
 def test_overlapping_spreads_give_no_ratio():
@@ -79,11 +92,11 @@ def test_a_verdict_claims_the_pairs_its_order_separates():
 
 
 def test_a_ratio_verdict_claims_the_faster_of_the_two():
-    a, b = bench.spread([3.0, 3.2, 3.5]), bench.spread([1.0, 1.1, 1.2])
+    a, b = bench.spread([3.0, 3.2, 3.5, 3.1, 3.3]), bench.spread([1.0, 1.1, 1.2, 1.1, 1.0])
     assert bench.verdict_relations(bench.ratio_verdict("ranks", a, "one process", b)) == {("one process", "ranks")}
     assert bench.verdict_relations("step time: " + bench.ratio_verdict("x", b, "y", a) + " (target: at most 1.5)") == \
         {("step time: x", "y")}
-    assert bench.verdict_relations(bench.ratio_verdict("ring", bench.spread([1.0, 2.0]), "gloo", b)) == set()
+    assert bench.verdict_relations(bench.ratio_verdict("ring", bench.spread([1.0, 2.0, 1.5, 1.5, 1.5]), "gloo", b)) == set()
 
 
 def test_a_loaded_run_agrees_when_it_says_the_same_or_cannot_separate():

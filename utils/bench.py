@@ -3,6 +3,7 @@ only when the runs separate; bandwidths (by convention and as measured at the so
 Tests never assert on timings, only on verdicts from made-up samples."""
 import collections
 import contextlib
+import math
 import re
 import statistics
 import time
@@ -73,13 +74,17 @@ def threads(n):
 
 # The discipline of every timing cell: equal threads, warm-up, variants interleaved (interleaved_samples), and
 # a median with the range of the runs. A cell states an order or a ratio only when the ranges separate (every
-# run of one variant is faster than every run of the other); otherwise it says that this machine cannot
-# separate them. On shared cores that is often the honest answer.
-Spread = collections.namedtuple("Spread", "median low high")  # seconds: the median run, the fastest, the slowest
+# run of one variant is faster than every run of the other) and there are runs enough that this would rarely
+# happen by chance; otherwise it says that this machine cannot separate them. On shared cores that is often the
+# honest answer.
+Spread = collections.namedtuple("Spread", "median low high runs", defaults=(None,))  # seconds; runs: how many
+
+CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that their ranges separate all the same:
+# a notebook prints dozens of verdicts; at 1 in 20 each, a loaded run would contradict some stored one
 
 
 def spread(samples):
-    return Spread(statistics.median(samples), min(samples), max(samples))
+    return Spread(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
 def format_spread(s, unit="ms"):
@@ -87,9 +92,24 @@ def format_spread(s, unit="ms"):
     return f"{s.median * scale:.1f} {unit} ({s.low * scale:.1f} to {s.high * scale:.1f})"
 
 
+def chance_of_separating(n, m):
+    """The chance that n runs of one variant and m of another, all alike (drawn from the same spread of the
+    machine's noise, in turns), have ranges that do not overlap: of the C(n + m, n) equally likely orders of
+    the n + m runs, 2 put one variant's all below the other's. 3 runs each: 1 in 10, too often to claim an order
+    from; 4 each: 1 in 35; 5 each: 1 in 126."""
+    return 2 / math.comb(n + m, n)
+
+
 def separated(a, b):
-    """True when the ranges of two Spreads do not overlap."""
-    return a.high < b.low or b.high < a.low
+    """True when the ranges of two Spreads do not overlap, from runs enough (CHANCE) to say so."""
+    enough = a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE
+    return enough and (a.high < b.low or b.high < a.low)
+
+
+def why_not_separated(a, b):
+    if a.high < b.low or b.high < a.low:
+        return f"{min(a.runs, b.runs)} runs are too few to tell"
+    return "their runs overlap"
 
 
 def order_verdict(spreads, ends=("fastest", "slowest")):
@@ -97,7 +117,8 @@ def order_verdict(spreads, ends=("fastest", "slowest")):
     their ranges separate and `a ~ b` where this machine cannot separate them. spreads: {name: Spread}."""
     names = sorted(spreads, key=lambda name: spreads[name].median)
     if len(names) == 2 and not separated(*(spreads[name] for name in names)):
-        return f"this machine cannot separate {names[0]} and {names[1]}: their runs overlap"
+        a, b = (spreads[name] for name in names)
+        return f"this machine cannot separate {names[0]} and {names[1]}: {why_not_separated(a, b)}"
     chain = names[0]
     for a, b in zip(names, names[1:]):
         chain += f" {'<' if separated(spreads[a], spreads[b]) else '~'} {b}"
@@ -111,7 +132,8 @@ def ratio_verdict(a_name, a, b_name, b):
     low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
     if separated(a, b):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"
-    return f"this machine cannot separate {a_name} and {b_name}: their runs overlap (ratio {low:.2f} to {high:.2f})"
+    return (f"this machine cannot separate {a_name} and {b_name}: {why_not_separated(a, b)} "
+            f"(ratio {low:.2f} to {high:.2f})")
 
 
 def verdict_relations(verdict):
