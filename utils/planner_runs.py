@@ -57,6 +57,17 @@ class Shape:
     top_k: int = 1
     name: str = "model"
     gpt3: bool = False  # GPT-3's layer as Megatron ran it in 2021-22: biases, learned positions, dropout, no flash
+    # DeepSeek-V2/V3 (their config.json's names; the planner's Model has the same fields): latent attention,
+    # shared experts, dense first layers of intermediate_size (ffn_dim is then the routed experts' width)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+    topk_group: int = 0  # node-limited routing: a token's experts on at most this many nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +93,8 @@ class Layout:
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
+    schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
+    ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +198,8 @@ def _known(cls, **values):
 
 
 MLP_MATRICES = {"gelu": 2, "relu": 2, "relu2": 2, "swiglu": 3}
+DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                   "n_shared_experts", "first_k_dense_replace", "intermediate_size", "topk_group")
 
 
 def planner_model(shape, with_missing=False):
@@ -192,7 +207,8 @@ def planner_model(shape, with_missing=False):
     model, missing = _known(pl.Model, num_layers=shape.num_layers, dim=shape.dim, num_heads=shape.num_heads,
                             ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
                             num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
-                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3)
+                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3,
+                            **{name: getattr(shape, name) for name in DEEPSEEK_FIELDS})
     return (model, missing) if with_missing else model
 
 
@@ -209,12 +225,15 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
     """The planner's Config; an uneven split of layers other than the planner's own rule is what the planner
     cannot take (listed with with_missing=True)."""
     interleaved = {"schedule": "interleaved", "v": virtual_stages} if virtual_stages and virtual_stages > 1 else {}
+    if layout.schedule and not interleaved:
+        interleaved = {"schedule": layout.schedule}
     config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                        micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused, **interleaved)
+                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused,
+                       ep_overlap=layout.ep_overlap, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -735,14 +754,28 @@ def _others():
     deepseek = Run("deepseek-v3 671B", "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), "
                    "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
                    "1 (180K H800 GPU hours per trillion tokens)",
-                   Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, name="DeepSeek-V3"),
+                   Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, mlp="swiglu",
+                         name="DeepSeek-V3", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1, first_k_dense_replace=3,
+                         intermediate_size=18432, topk_group=4),
                    "H800-80GB", 2048, 400,
-                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True),
+                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True, schedule="ZB-H1",
+                          ep_overlap=True),
                    180e3, unit="gpu_hours_per_1e12_tokens",
-                   unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
-                               "layers first, multi-token prediction and DualPipe: no field for any of them"),
                    assumptions=("Batch 15,360 sequences of 4096, its value after the first 469B tokens "
                                 "(section 4.2).",
+                                "DualPipe (section 3.2.1) is not one of the planner's schedules: ZB-H1, the "
+                                "zero-bubble schedule it extends, stands for it (DualPipe's bubble is about half "
+                                "of it, its activations p + 1 micro-batches and its parameters twice); its "
+                                "overlap of the expert all-to-all with another chunk's computation is "
+                                "Config.ep_overlap.",
+                                "Node-limited routing: each token's experts on at most 4 nodes (section 2.1.2; "
+                                "config.json's topk_group 4), so at most 4 copies cross InfiniBand; the dispatch in "
+                                "FP8 (section 3.3.2) is not modelled (16 bits both ways).",
+                                "Recomputation: the planner's best that fits is full; DeepSeek recomputes only the "
+                                "RMSNorms and MLA's up-projections and keeps some activations in FP8 (sections "
+                                "3.2.3, 3.3.2), which the planner has no mode for. Multi-token prediction (one "
+                                "more layer and output head on the last stage) is not counted.",
                                 "Sections 1, 3.1, 3.2 and 4.2 as transcribed in stored copies of the report (its "
                                 "links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); the shape from the released "
                                 "config.json (61 layers, 7168, 128 heads, 256 routed experts of 2048, top 8, "

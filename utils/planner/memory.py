@@ -15,7 +15,7 @@ kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^
 with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
 context parallel holds s / cp tokens.
 """
-from utils.planner.describe import rank_layer_counts
+from utils.planner.describe import rank_layer_counts, rank_layer_kinds
 
 # PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
 # tensors' bytes. With the CUDA context, cuBLAS's workspaces and NCCL's buffers (an assumed 2 GB), this is what the
@@ -48,10 +48,11 @@ def stage_params(model, config, stage=0):
     rank holds tok_embeddings, the last the final norm and output; a tied output layer on a rank other than the
     first is a copy of tok_embeddings (Megatron-LM keeps one there and sums the two gradients)."""
     first, last = stage == 0, stage == config.pp - 1
-    layers = rank_layers(model, config, stage)
+    kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
     head = model.head_params + model.vocab_size * model.dim * (model.tied and not first)
-    dense = (layers * model.layer_dense_params + model.embedding_params * first + head * last) / config.tp
-    experts = layers * model.layer_expert_params / config.ep
+    layers = sum(count * kind.layer_dense_params for kind, count in kinds)
+    dense = (layers + model.embedding_params * first + head * last) / config.tp
+    experts = sum(count * kind.layer_expert_params for kind, count in kinds) / config.ep
     return dense, experts
 
 
@@ -71,7 +72,8 @@ def buffer_bytes(model, config, stage=0):
     their reduce-scatter; the largest unit is a layer or, on the first and last rank, the embedding or the output
     layer. ZeRO-2: one reduce bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients
     already."""
-    layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
+    layer = max(kind.layer_dense_params / config.tp + kind.layer_expert_params / config.ep
+                for kind, _ in model.layer_kinds(model.first_k_dense_replace, model.num_layers))
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
         unit = max([layer] + [e / config.tp for e in ends])
@@ -96,12 +98,21 @@ def layer_activation_bytes(model, config, recompute=None):
     recompute = recompute or config.recompute
     if recompute == "full":
         return s * b * h * e * (1 if config.distribute_saved_activations else whole) / t
-    f = model.ffn_dim * (model.top_k * model.capacity_factor if model.moe else 1)  # a token's expert MLPs
-    if recompute == "selective_op":  # input h (split like the norms'), wq's h, wv's kv, w1's f, w2's h, attention h
-        return s * b * (h * whole + 3 * h + model.kv_dim + f) * e / t
+    # a token's expert MLPs: top_k routed (up to the capacity factor) and the shared ones
+    f = model.ffn_dim * (model.top_k * model.capacity_factor + model.n_shared_experts if model.moe else 1)
+    # attention's widths: Q and K (heads x qk_head_dim: h, kv_dim under GQA), V (kv_dim), its output (wo's input);
+    # latent attention also keeps its two latents, each as its norm's input and its up-projection's input
+    q, v, out = model.num_heads * model.qk_head_dim, model.kv_dim, model.num_heads * model.value_head_dim
+    k = model.kv_dim
+    latents = 0
+    if model.mla:
+        k, v = q, out
+        latents = 2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim
+    if recompute == "selective_op":  # input h (split like the norms'), wq's q, wv's v, w1's f, w2's h, attention's
+        return s * b * (h * whole + q + v + out + h + f) * e / t
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
     unsplit = 4 * h * e + 2 * h * model.dropout  # norms' inputs, QKV's and the MLP's input; 1-byte dropout masks
-    split = (2 * h + 2 * model.kv_dim + kept_by_mlp * f) * e  # Q, K, V, wo's input, the MLP's ffn_dim-wide tensors
+    split = (q + k + v + out + latents + kept_by_mlp * f) * e  # Q, K, V, wo's input, the MLP's ffn_dim-wide ones
     if recompute == "none" and not model.flash_attention:
         split += model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
     return s * b * (unsplit * whole + split) / t
@@ -134,10 +145,11 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
     full recomputation, plus one layer recomputed in full during its backward; on the last rank, one micro-batch's
     fp32 logits."""
-    pieces = rank_layers(model, config, stage) / config.v
-    kept = pieces_in_flight(config, num_micro_batches, stage) * pieces * layer_activation_bytes(model, config)
+    kinds = rank_layer_kinds(model, config.pp, config.v, stage)
+    piece = sum(count * layer_activation_bytes(kind, config) for kind, count in kinds) / config.v
+    kept = pieces_in_flight(config, num_micro_batches, stage) * piece
     if config.recompute == "full":
-        kept += layer_activation_bytes(model, config, recompute="none")
+        kept += max(layer_activation_bytes(kind, config, recompute="none") for kind, _ in kinds)
     return kept
 
 
