@@ -68,6 +68,7 @@ class Shape:
     first_k_dense_replace: int = 0
     intermediate_size: int = 0
     topk_group: int = 0  # node-limited routing: a token's experts on at most this many nodes
+    grad_bytes: int = 2  # bytes of a gradient as kept and reduced: 4 where Megatron-LM trains in bf16 (MEGATRON_BF16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +209,7 @@ def planner_model(shape, with_missing=False):
                             ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
                             num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
                             ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3,
-                            **{name: getattr(shape, name) for name in DEEPSEEK_FIELDS})
+                            grad_bytes=shape.grad_bytes, **{name: getattr(shape, name) for name in DEEPSEEK_FIELDS})
     return (model, missing) if with_missing else model
 
 
@@ -424,11 +425,20 @@ NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Train
 SELENE = 200  # Gb/s per GPU: "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs" per 8-GPU node (MT-NLG, section 2)
 
 
+# Megatron-LM in bf16 accumulates and reduces gradients in fp32: megatron/training/arguments.py, "bfloat16 requires
+# gradient accumulation and all-reduce to be done in fp32" (accumulate_allreduce_grads_in_fp32 forced on, unless
+# --grad-reduce-in-bf16, which neither the README's table nor Nemotron-4's report names): 4 bytes per gradient,
+# in memory and on the data axis.
+MEGATRON_BF16 = ("Megatron-LM in bf16 keeps and reduces gradients in fp32 (megatron/training/arguments.py forces "
+                 "accumulate_allreduce_grads_in_fp32 for bf16): 4 bytes per gradient.")
+
+
 def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt3=True):
     """Megatron's GPT: a 4h GELU MLP, learned positions, tied embeddings; sequence 2048, vocabulary 51,200 (all of
     Narayanan et al. 2021's and Korthikanti et al. 2022's models). gpt3=False: Megatron-Core's of 2024, whose
-    attention is flash attention (Transformer Engine)."""
-    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, gpt3=gpt3, name=name)
+    attention is flash attention (Transformer Engine), trained in bf16 (gradients in fp32: MEGATRON_BF16)."""
+    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, gpt3=gpt3, name=name,
+                 grad_bytes=2 if gpt3 else 4)
 
 
 def _narayanan_table1():
@@ -561,7 +571,8 @@ def _mt_nlg():
 def _nemotron4():
     # Table 2: (data-parallel, GPUs, batch, seconds per iteration, MFU %): tensor 8, pipeline 12, interleaved
     rows = [(16, 1536, 768, 10.3, 42.4), (32, 3072, 1536, 10.3, 42.3), (64, 6144, 2304, 8.0, 41.0)]
-    shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B")
+    shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B",
+                  grad_bytes=4)
     return [Run(f"nemotron4 340B {gpus}", f"NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 2, row DP {dp}",
                 shape, "H100-80GB", gpus, 400,
                 Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None),
@@ -573,7 +584,7 @@ def _nemotron4():
                              "notes (aiportalx.com/nvidia/nemotron-4-340b). The tests check the times against Table "
                              "2's MFU column.",
                              "The interleaving degree, micro-batch and recomputation are not printed: left to the "
-                             "planner."))
+                             "planner.", "bf16 assumed (Megatron-LM on H100s without FP8). " + MEGATRON_BF16))
             for dp, gpus, batch, seconds, _ in rows]
 
 
@@ -700,11 +711,12 @@ def _megatron_core_h100():
                              "400 Gb/s per GPU between nodes assumed (a DGX H100's eight ConnectX-7).",
                              "Megatron-LM at that commit shards data-parallel state only with its distributed "
                              "optimizer (--use-distributed-optimizer, ZeRO-1; FSDP came later): ZeRO 0 or 1.",
+                             MEGATRON_BF16,
                              "The README's tensor-parallel overlap is not given to the planner: its tp_overlap hides "
                              "every collective behind the products entirely (1.2-1.3x the measured throughput at TP "
                              "8), where Transformer Engine's overlap hides part of them; exposed is the nearer "
                              "bound."),
-                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.16x slower than the "
+                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.14x slower than the "
                               "roofline's efficiency curve allows: at 2048 the products reach less of the peak "
                               "than the stated curve (compute.py) gives." if name == "1.7B" else ""))
             for name, heads, dim, layers, tp, pp, dp, gpus, batch, tflops in rows]
