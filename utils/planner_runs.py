@@ -467,8 +467,11 @@ TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/me
 
 ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit. Its neighbour on 560 GPUs ran out of "
              "memory with only 1.9 GB more of optimizer shards: a margin finer than the planner's assumed "
-             "fragmentation (5%) and runtime (2 GB), and its gradient buffer of a whole layer (DeepSpeed reduces "
-             "in buckets of 0.5 G elements).")
+             "fragmentation (5%) and runtime (2 GB). The planner gathers a whole layer (5.0 G parameters, 10 GB) and "
+             "holds its gradients (10 GB); DeepSpeed's ZeRO-3 gathers module by module (its largest, the MLP's "
+             "20480 x 81920 weight: 3.4 GB; stage3_max_live_parameters 1e9) and reduces in buckets of 0.5 G elements "
+             "(reduce_bucket_size), about 8 GB in all: that brings this run to 80 GB, but its neighbour too (82 GB), "
+             "which did not fit. The planner cannot resolve the 1.9 GB between them, and keeps the whole layer.")
 
 
 def _narayanan_table2():
@@ -633,9 +636,12 @@ def _torchtitan():
               "the tensors take: the planner's prediction, of what must be allocated, is expected below it.")
     cp_rows = ("At sequences of 32K-64K tokens attention is most of the step, and the planner times flash attention "
                "through the roofline with the s x s scores as memory traffic (flash attention never writes them): "
-               "that matches the 128K-256K rows but not these. Attention's own efficiency (FlashAttention-2 "
-               "reaches about 35% of an H100's peak: Shah et al. 2024) and PyTorch's ring attention are not "
-               "modelled.")
+               "that matches the 128K-256K rows but not these. The table itself says why no attention efficiency "
+               "fits all four: every GPU holds 32K tokens, and each further 32K keys cost 137 us per token from "
+               "32K to 64K, 270 from 64K to 128K and 223 from 128K to 256K, so attention ran half as fast per FLOP "
+               "once the ring had 4 or 8 ranks (PyTorch's ring attention of 2024-12, with load balancing); the "
+               "planner has one cost per FLOP, and timing the causal half at FlashAttention-2's efficiency puts the "
+               "8K rows 1.2-1.35x and these 1.3-1.9x too fast (compute.py).")
     runs = []
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
