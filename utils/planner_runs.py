@@ -638,10 +638,10 @@ def _torchtitan():
                "through the roofline with the s x s scores as memory traffic (flash attention never writes them): "
                "that matches the 128K-256K rows but not these. The table itself says why no attention efficiency "
                "fits all four: every GPU holds 32K tokens, and each further 32K keys cost 137 us per token from "
-               "32K to 64K, 270 from 64K to 128K and 223 from 128K to 256K, so attention ran half as fast per FLOP "
-               "once the ring had 4 or 8 ranks (PyTorch's ring attention of 2024-12, with load balancing); the "
-               "planner has one cost per FLOP, and timing the causal half at FlashAttention-2's efficiency puts the "
-               "8K rows 1.2-1.35x and these 1.3-1.9x too fast (compute.py).")
+               "32K to 64K, 270 from 64K to 128K and 223 from 128K to 256K: attention's cost per key doubled once "
+               "the ring had 4 or 8 ranks (PyTorch's ring attention of 2024-12, with load balancing). The planner "
+               "has one cost per FLOP, and timing the causal half at FlashAttention-2's efficiency puts the 8K rows "
+               "1.2-1.35x and these 1.1-1.9x too fast (compute.py).")
     runs = []
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
