@@ -120,7 +120,7 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     # head dim 128 the whole square runs at 128 FLOP/byte x HBM, 43% of an H100's peak, as if the causal half ran at
     # 22%. Timing it instead as the kernel runs (the causal half of the square, at FlashAttention-2's 35% of an
     # H100's peak for head dim 128, as Shah et al. 2024's FlashAttention-3 paper measures it) was tried and not kept:
-    # it puts torchtitan's 8K-token rows 1.20-1.35x and its 128K-256K CP rows 1.8-1.9x too fast. Those rows' own numbers
+    # it puts torchtitan's 8K-token rows 1.20-1.35x and its 128K-256K CP rows 1.5-1.9x too fast. Those rows' own numbers
     # (Table 2: 32K tokens per GPU against 32K, 64K, 128K, 256K keys) cost 137, 270, 223 us per token for each
     # further 32K keys: no one kernel efficiency fits them (utils/planner_runs.py, the CP rows' disagreement).
     attention = (matmul_seconds(block, model.qk_head_dim, block, cluster, batch=heads * blocks, element_bytes=e)

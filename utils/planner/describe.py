@@ -111,14 +111,25 @@ class Model:
     def mla(self):
         return self.kv_lora_rank > 0
 
-    @property
+    @functools.cached_property
     def qk_head_dim(self):
         """A head's query and key width: head_dim, or latent attention's qk_nope_head_dim + qk_rope_head_dim."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
-    @property
+    @functools.cached_property
     def value_head_dim(self):
         return self.v_head_dim if self.mla else self.head_dim
+
+    @functools.cached_property
+    def attention_widths(self):
+        """(Q, K, V, output, latents): what attention keeps per token for backward, in elements: Q and K heads x
+        qk_head_dim (K kv_dim under grouped-query attention), V kv_dim, the output (wo's input) heads x
+        value_head_dim; latent attention's K and V per head as Q and the output, and its two latents, each as its
+        norm's input and its up-projection's input."""
+        q, out = self.num_heads * self.qk_head_dim, self.num_heads * self.value_head_dim
+        if not self.mla:
+            return q, self.kv_dim, self.kv_dim, out, 0
+        return q, q, out, out, 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
 
     @functools.cached_property
     def kv_cache_dim(self):
@@ -416,6 +427,8 @@ def rank_dense_layers(num_layers, first_k_dense, pp, v=1):
 def rank_layer_kinds(model, pp, v, stage):
     """[(model of a layer, how many)] on pipeline rank `stage`: its dense first layers and its others."""
     layers = rank_layer_counts(model.num_layers, pp, v)[stage]
+    if not model.first_k_dense_replace:
+        return ((model, layers),)
     dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, pp, v)[stage]
     return model.layer_kinds(dense, layers)
 

@@ -48,12 +48,13 @@ def stage_params(model, config, stage=0):
     rank holds tok_embeddings, the last the final norm and output; a tied output layer on a rank other than the
     first is a copy of tok_embeddings (Megatron-LM keeps one there and sums the two gradients)."""
     first, last = stage == 0, stage == config.pp - 1
-    kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
     head = model.head_params + model.vocab_size * model.dim * (model.tied and not first)
-    layers = sum(count * kind.layer_dense_params for kind, count in kinds)
+    layers, experts = 0, 0
+    for kind, count in rank_layer_kinds(model, config.pp, config.v, stage):  # DeepSeek-V3's dense first layers apart
+        layers += count * kind.layer_dense_params
+        experts += count * kind.layer_expert_params
     dense = (layers + model.embedding_params * first + head * last) / config.tp
-    experts = sum(count * kind.layer_expert_params for kind, count in kinds) / config.ep
-    return dense, experts
+    return dense, experts / config.ep
 
 
 def model_state_bytes(model, config, stage=0):
@@ -72,8 +73,9 @@ def buffer_bytes(model, config, stage=0):
     their reduce-scatter; the largest unit is a layer or, on the first and last rank, the embedding or the output
     layer. ZeRO-2: one reduce bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients
     already."""
-    layer = max(kind.layer_dense_params / config.tp + kind.layer_expert_params / config.ep
-                for kind, _ in model.layer_kinds(model.first_k_dense_replace, model.num_layers))
+    layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
+    if model.dense_layer:  # DeepSeek-V3's dense first layers
+        layer = max(layer, model.dense_layer.layer_dense_params / config.tp)
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
         unit = max([layer] + [e / config.tp for e in ends])
@@ -100,14 +102,7 @@ def layer_activation_bytes(model, config, recompute=None):
         return s * b * h * e * (1 if config.distribute_saved_activations else whole) / t
     # a token's expert MLPs: top_k routed (up to the capacity factor) and the shared ones
     f = model.ffn_dim * (model.top_k * model.capacity_factor + model.n_shared_experts if model.moe else 1)
-    # attention's widths: Q and K (heads x qk_head_dim: h, kv_dim under GQA), V (kv_dim), its output (wo's input);
-    # latent attention also keeps its two latents, each as its norm's input and its up-projection's input
-    q, v, out = model.num_heads * model.qk_head_dim, model.kv_dim, model.num_heads * model.value_head_dim
-    k = model.kv_dim
-    latents = 0
-    if model.mla:
-        k, v = q, out
-        latents = 2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim
+    q, k, v, out, latents = model.attention_widths  # h, kv_dim, kv_dim, h without latent attention
     if recompute == "selective_op":  # input h (split like the norms'), wq's q, wv's v, w1's f, w2's h, attention's
         return s * b * (h * whole + q + v + out + h + f) * e / t
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
@@ -145,9 +140,11 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
     full recomputation, plus one layer recomputed in full during its backward; on the last rank, one micro-batch's
     fp32 logits."""
-    kinds = rank_layer_kinds(model, config.pp, config.v, stage)
-    piece = sum(count * layer_activation_bytes(kind, config) for kind, count in kinds) / config.v
-    kept = pieces_in_flight(config, num_micro_batches, stage) * piece
+    kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
+    piece = 0.0
+    for kind, layers in kinds:
+        piece += layers * layer_activation_bytes(kind, config)
+    kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
         kept += max(layer_activation_bytes(kind, config, recompute="none") for kind, _ in kinds)
     return kept

@@ -169,34 +169,46 @@ def _slowest_stage(model, cluster, config):
     Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
     c = config
     counts = rank_layer_counts(model.num_layers, c.pp, c.v)
-    dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, c.pp, c.v)
-    fullest = [s for s in range(c.pp) if counts[s] == max(counts)]
-    routed = [s for s in fullest if not dense[s]]  # DeepSeek-V3's dense first layers apart
-    stages = []
-    for stage in sorted({0, c.pp - 1, fullest[0]} | set(routed[:1])):  # the others are alike one of these
-        kinds = rank_layer_kinds(model, c.pp, c.v, stage)
-        parts = [_layers_part(kind, cluster, c, layers, last=stage == c.pp - 1, ends=not i)
-                 for i, (kind, layers) in enumerate(kinds)]
-        stages.append({key: sum(p[key] for p in parts) for key in parts[0]})
+    candidates = {0, c.pp - 1, counts.index(max(counts))}  # the others hold as many layers as one of these
+    if model.first_k_dense_replace:  # and the fullest without DeepSeek-V3's dense first layers
+        dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, c.pp, c.v)
+        candidates |= set([s for s in range(c.pp) if counts[s] == max(counts) and not dense[s]][:1])
+    per_layer, stages = {}, []
+    for stage in sorted(candidates):
+        (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
+        if id(kind) not in per_layer:  # (a Model's hash costs more than its terms' lookup)
+            per_layer[id(kind)] = _per_layer(kind, cluster, c)
+        part = _layers_part(per_layer[id(kind)], c, layers, last=stage == c.pp - 1)
+        for kind, layers in others:  # the routed layers after the dense ones
+            more = _layers_part(_per_layer(kind, cluster, c), c, layers, last=stage == c.pp - 1, ends=False)
+            part = {key: value + more[key] for key, value in part.items()}
+        stages.append(part)
     part = max(stages, key=lambda p: p["F"] + p["B"] + p["W"])
     return part, part.pop("per_step")
 
 
-def _layers_part(model, cluster, config, layers, last, ends=True):
-    """`layers` layers alike of a pipeline stage, per micro-batch: each group's exposed time, F, B, W and compute;
-    with `ends`, the stage's hand-offs (and on the last, the output layer); and the data axis's exposed seconds
-    once per step."""
-    c = config
-    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = _layer_terms(model, cluster, c)
-    full = c.recompute == "full"
+def _per_layer(model, cluster, config):
+    """One layer's terms (_layer_terms), what recomputation adds to its backward, and its forward and backward with
+    the communication they expose."""
+    c, terms = config, _layer_terms(model, cluster, config)
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
     recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
                   "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
-
     forward_layer = lt.forward + tp_f + cp_f + ep_f
     backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
-    if full:
+    if c.recompute == "full":
         backward_layer += tp_f + cp_f + ep_f
-    backward_layer += recomputed
+    return terms, recomputed, forward_layer, backward_layer + recomputed
+
+
+def _layers_part(per_layer, config, layers, last, ends=True):
+    """`layers` layers alike of a pipeline stage (per_layer: _per_layer of one), per micro-batch: each group's
+    exposed time, F, B, W and compute; with `ends`, the stage's hand-offs (and on the last, the output layer); and
+    the data axis's exposed seconds once per step."""
+    c = config
+    terms, recomputed, forward_layer, backward_layer = per_layer
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = terms
+    full = c.recompute == "full"
 
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
         return layers * max(0.0, comm - beside)
