@@ -465,13 +465,11 @@ def _narayanan_table1():
 TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
 
 
-ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit. Its neighbour on 560 GPUs ran out of "
-             "memory with only 1.9 GB more of optimizer shards: a margin finer than the planner's assumed "
-             "fragmentation (5%) and runtime (2 GB). The planner gathers a whole layer (5.0 G parameters, 10 GB) and "
-             "holds its gradients (10 GB); DeepSpeed's ZeRO-3 gathers module by module (its largest, the MLP's "
-             "20480 x 81920 weight: 3.4 GB; stage3_max_live_parameters 1e9) and reduces in buckets of 0.5 G elements "
-             "(reduce_bucket_size), about 8 GB in all: that brings this run to 80 GB, but its neighbour too (82 GB), "
-             "which did not fit. The planner cannot resolve the 1.9 GB between them, and keeps the whole layer.")
+ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit; its neighbour on 560 GPUs, 1.9 GB more of "
+             "optimizer shards, did not. The planner gathers a whole layer and holds its gradients (20 GB); "
+             "DeepSpeed's ZeRO-3 gathers module by module (the largest, the MLP's 20480 x 81920 weight, 3.4 GB) and "
+             "reduces in buckets of 0.5 G elements, about 8 GB in all: this run at 80 GB, but its neighbour too "
+             "(82 GB). A 1.9 GB margin is finer than the planner resolves: the whole layer is kept.")
 
 
 def _narayanan_table2():
@@ -613,7 +611,7 @@ def _llama3():
                              "sequences per DP rank) allow."),
                 disagreement=("At 32 micro-batches per step the planner fits only plain 1F1B without recomputation "
                               "(the interleaved schedule's activations come to 96-110 GB in its count, full "
-                              "recomputation costs a forward), so it predicts 0.82 of the reported throughput; "
+                              "recomputation costs a forward), so it predicts 0.83 of the reported throughput; "
                               "Meta's own schedule (section 3.3.2: the number of micro-batches per round chosen "
                               "freely, tensors freed once sent) holds less than the planner counts."
                               if gpus == 8192 else ""))
@@ -634,14 +632,12 @@ def _torchtitan():
               "torchtitan/parallelisms/parallelize_llama.py at 9dec370.",
               "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
               "the tensors take: the planner's prediction, of what must be allocated, is expected below it.")
-    cp_rows = ("At sequences of 32K-64K tokens attention is most of the step, and the planner times flash attention "
-               "through the roofline with the s x s scores as memory traffic (flash attention never writes them): "
-               "that matches the 128K-256K rows but not these. The table itself says why no attention efficiency "
-               "fits all four: every GPU holds 32K tokens, and each further 32K keys cost 137 us per token from "
-               "32K to 64K, 270 from 64K to 128K and 223 from 128K to 256K: attention's cost per key doubled once "
-               "the ring had 4 or 8 ranks (PyTorch's ring attention of 2024-12, with load balancing). The planner "
-               "has one cost per FLOP, and timing the causal half at FlashAttention-2's efficiency puts the 8K rows "
-               "1.2-1.35x and these 1.1-1.9x too fast (compute.py).")
+    cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
+               "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
+               "No one attention efficiency fits all four: each GPU holds 32K tokens, and each further 32K keys "
+               "cost 137 us per token from 32K to 64K, then 270 and 223: attention's cost per key doubled once "
+               "PyTorch's ring had 4 or 8 ranks. The causal half at FlashAttention-2's efficiency puts the 8K rows "
+               "1.2-1.35x too fast (compute.py).")
     runs = []
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
