@@ -212,6 +212,19 @@ def test_compute_is_the_models_flops_at_a_fixed_mfu_without_a_pipeline():
     assert math.isclose(t["compute"], TINY.flops_per_token() * 8 * 8 / (8 * 1e12 * 0.5))
 
 
+def test_latent_attention_and_dense_first_layers_cost_their_flops_at_a_fixed_mfu():
+    # a DeepSeek-V3-shaped tiny model: latent attention, a shared expert, the first layer dense; each product timed
+    # from its shape must add up to the model's FLOPs (forward, then backward twice)
+    model = dataclasses.replace(TINY, num_experts=4, top_k=2, ffn_matrices=3, q_lora_rank=8, kv_lora_rank=8,
+                                qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, n_shared_experts=1,
+                                first_k_dense_replace=1, intermediate_size=64)
+    assert model.attention_flops_per_token == 2 * 8 * 4 * (6 + 4)  # 2 s heads (qk + v)
+    t = pl.step_seconds(model, TINY_CLUSTER, pl.Config(dp=8, ep=2, micro_batch_size=1), 8)
+    assert math.isclose(t["compute"], model.flops_per_token() * 8 * 8 / (8 * 1e12 * 0.5))
+    ups = pl.compute.attention_shapes(model, 2)  # down-projections whole, up-projections and wo by heads
+    assert ups == [(16, 8), (16, 10), (8, 12), (8, 16), (8, 16)] and pl.compute.kv_width(model, 2) == 20
+
+
 def test_the_roofline_of_one_product():
     h100 = pl.cluster("H100 SXM", 8)
     big = pl.matmul_seconds(8192, 8192, 8192, h100)
