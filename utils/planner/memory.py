@@ -91,7 +91,9 @@ def layer_activation_bytes(model, config, recompute=None):
     micro-batch, t = tp; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s
     ones (what flash attention keeps anyway); selective_op (torchtitan's policy), the layer's input, the outputs of
     every other matrix product (wq, wv, the MLP's first and last: the 1st, 3rd, 5th and 7th products of a SwiGLU
-    layer) and attention's output; full, the layer's input only, s b h e / t.
+    layer) and attention's output; full, the layer's input only, s b h e / t. Latent attention (DeepSeek-V3) keeps
+    its heads' Q, K, V and output and its two latents (Model.attention_widths); a MoE layer's MLP tensors are its
+    top_k routed experts' and its shared experts'.
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
     s b h (10 + 24 / t + 5 a s / h t) (Table 2)."""
