@@ -212,6 +212,19 @@ def test_compute_is_the_models_flops_at_a_fixed_mfu_without_a_pipeline():
     assert math.isclose(t["compute"], TINY.flops_per_token() * 8 * 8 / (8 * 1e12 * 0.5))
 
 
+def test_latent_attention_and_dense_first_layers_cost_their_flops_at_a_fixed_mfu():
+    # a DeepSeek-V3-shaped tiny model: latent attention, a shared expert, the first layer dense; each product timed
+    # from its shape must add up to the model's FLOPs (forward, then backward twice)
+    model = dataclasses.replace(TINY, num_experts=4, top_k=2, ffn_matrices=3, q_lora_rank=8, kv_lora_rank=8,
+                                qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, n_shared_experts=1,
+                                first_k_dense_replace=1, intermediate_size=64)
+    assert model.attention_flops_per_token == 2 * 8 * 4 * (6 + 4)  # 2 s heads (qk + v)
+    t = pl.step_seconds(model, TINY_CLUSTER, pl.Config(dp=8, ep=2, micro_batch_size=1), 8)
+    assert math.isclose(t["compute"], model.flops_per_token() * 8 * 8 / (8 * 1e12 * 0.5))
+    ups = pl.compute.attention_shapes(model, 2)  # down-projections whole, up-projections and wo by heads
+    assert ups == [(16, 8), (16, 10), (8, 12), (8, 16), (8, 16)] and pl.compute.kv_width(model, 2) == 20
+
+
 def test_the_roofline_of_one_product():
     h100 = pl.cluster("H100 SXM", 8)
     big = pl.matmul_seconds(8192, 8192, 8192, h100)
@@ -344,6 +357,29 @@ def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     assert len(rows) > 20000 and min(times) < 2.0, f"{len(rows)} rows in {min(times):.2f} s of one core"
 
 
+def test_moe_all_to_all_by_routing_and_overlap():
+    # DeepSeek-V3's two ways to shrink the expert all-to-all: node-limited routing sends at most topk_group copies of
+    # a token between nodes; DualPipe (ep_overlap) hides it behind another chunk's computation
+    model = dataclasses.replace(MIXTRAL, num_experts=16, top_k=8)
+    cluster = pl.cluster("H100 SXM", 64)
+    config = pl.Config(dp=64, ep=16, micro_batch_size=1, zero_stage=1)
+    exposed = pl.step_seconds(model, cluster, config, 64)["ep"]
+    limited = pl.step_seconds(dataclasses.replace(model, topk_group=2), cluster, config, 64)["ep"]
+    hidden = pl.step_seconds(model, cluster, dataclasses.replace(config, ep_overlap=True), 64)["ep"]
+    assert exposed / 4 < limited < exposed / 3 and hidden < exposed / 2  # a quarter of the bytes, and latency
+
+
+def test_dense_first_layers_and_shared_experts_count_apart():
+    model = dataclasses.replace(MIXTRAL, n_shared_experts=1, first_k_dense_replace=2, intermediate_size=8192)
+    per_layer = MIXTRAL.layer_dense_params + MIXTRAL.layer_expert_params
+    dense = model.dense_layer.layer_dense_params  # attention, norms, one MLP of 8192
+    assert dense == MIXTRAL.attention_params + 2 * MIXTRAL.norm_params + 3 * 4096 * 8192
+    assert model.num_params == MIXTRAL.num_params + 2 * (dense - per_layer) + 30 * MIXTRAL.expert_params
+    config = pl.Config(dp=1, pp=4)
+    assert pl.stage_params(model, config, 0)[1] == 6 * MIXTRAL.layer_expert_params  # 2 of its 8 layers dense
+    assert pl.stage_params(model, config, 1)[1] == 8 * MIXTRAL.layer_expert_params
+
+
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("change, match", [
@@ -352,6 +388,8 @@ def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     ({"num_heads": 3}, "dim 16 is not divisible by num heads 3"),
     ({"num_kv_heads": 3}, "num heads 4 is not divisible by num kv heads 3"),
     ({"top_k": 2}, "top_k 2 is more than num_experts 1"),
+    ({"kv_lora_rank": 8}, "latent attention .* needs qk_nope_head_dim"),
+    ({"n_shared_experts": 1}, "belong to a MoE model"),
 ])
 def test_bad_models_are_refused(change, match):
     with pytest.raises(ValueError, match=match):

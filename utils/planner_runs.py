@@ -57,6 +57,18 @@ class Shape:
     top_k: int = 1
     name: str = "model"
     gpt3: bool = False  # GPT-3's layer as Megatron ran it in 2021-22: biases, learned positions, dropout, no flash
+    # DeepSeek-V2/V3 (their config.json's names; the planner's Model has the same fields): latent attention,
+    # shared experts, dense first layers of intermediate_size (ffn_dim is then the routed experts' width)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+    topk_group: int = 0  # node-limited routing: a token's experts on at most this many nodes
+    grad_bytes: int = 2  # bytes of a gradient as kept and reduced: 4 where Megatron-LM trains in bf16 (MEGATRON_BF16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +94,8 @@ class Layout:
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
+    schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
+    ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +199,8 @@ def _known(cls, **values):
 
 
 MLP_MATRICES = {"gelu": 2, "relu": 2, "relu2": 2, "swiglu": 3}
+DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                   "n_shared_experts", "first_k_dense_replace", "intermediate_size", "topk_group")
 
 
 def planner_model(shape, with_missing=False):
@@ -192,7 +208,8 @@ def planner_model(shape, with_missing=False):
     model, missing = _known(pl.Model, num_layers=shape.num_layers, dim=shape.dim, num_heads=shape.num_heads,
                             ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
                             num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
-                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3)
+                            ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3,
+                            grad_bytes=shape.grad_bytes, **{name: getattr(shape, name) for name in DEEPSEEK_FIELDS})
     return (model, missing) if with_missing else model
 
 
@@ -209,12 +226,15 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
     """The planner's Config; an uneven split of layers other than the planner's own rule is what the planner
     cannot take (listed with with_missing=True)."""
     interleaved = {"schedule": "interleaved", "v": virtual_stages} if virtual_stages and virtual_stages > 1 else {}
+    if layout.schedule and not interleaved:
+        interleaved = {"schedule": layout.schedule}
     config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                        micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused, **interleaved)
+                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused,
+                       ep_overlap=layout.ep_overlap, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -405,11 +425,20 @@ NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Train
 SELENE = 200  # Gb/s per GPU: "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs" per 8-GPU node (MT-NLG, section 2)
 
 
+# Megatron-LM in bf16 accumulates and reduces gradients in fp32: megatron/training/arguments.py, "bfloat16 requires
+# gradient accumulation and all-reduce to be done in fp32" (accumulate_allreduce_grads_in_fp32 forced on, unless
+# --grad-reduce-in-bf16, which neither the README's table nor Nemotron-4's report names): 4 bytes per gradient,
+# in memory and on the data axis.
+MEGATRON_BF16 = ("Megatron-LM in bf16 keeps and reduces gradients in fp32 (megatron/training/arguments.py forces "
+                 "accumulate_allreduce_grads_in_fp32 for bf16): 4 bytes per gradient.")
+
+
 def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt3=True):
     """Megatron's GPT: a 4h GELU MLP, learned positions, tied embeddings; sequence 2048, vocabulary 51,200 (all of
     Narayanan et al. 2021's and Korthikanti et al. 2022's models). gpt3=False: Megatron-Core's of 2024, whose
-    attention is flash attention (Transformer Engine)."""
-    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, gpt3=gpt3, name=name)
+    attention is flash attention (Transformer Engine), trained in bf16 (gradients in fp32: MEGATRON_BF16)."""
+    return Shape(layers, dim, heads, 4 * dim, vocab_size, seq_len, tied=tied, gpt3=gpt3, name=name,
+                 grad_bytes=2 if gpt3 else 4)
 
 
 def _narayanan_table1():
@@ -436,10 +465,11 @@ def _narayanan_table1():
 TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
 
 
-ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit. Its neighbour on 560 GPUs ran out of "
-             "memory with only 1.9 GB more of optimizer shards: a margin finer than the planner's assumed "
-             "fragmentation (5%) and runtime (2 GB), and its gradient buffer of a whole layer (DeepSpeed reduces "
-             "in buckets of 0.5 G elements).")
+ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit; its neighbour on 560 GPUs, 1.9 GB more of "
+             "optimizer shards, did not. The planner gathers a whole layer and holds its gradients (20 GB); "
+             "DeepSpeed's ZeRO-3 gathers module by module (the largest, the MLP's 20480 x 81920 weight, 3.4 GB) and "
+             "reduces in buckets of 0.5 G elements, about 8 GB in all: this run at 80 GB, but its neighbour too "
+             "(82 GB). A 1.9 GB margin is finer than the planner resolves: the whole layer is kept.")
 
 
 def _narayanan_table2():
@@ -542,7 +572,8 @@ def _mt_nlg():
 def _nemotron4():
     # Table 2: (data-parallel, GPUs, batch, seconds per iteration, MFU %): tensor 8, pipeline 12, interleaved
     rows = [(16, 1536, 768, 10.3, 42.4), (32, 3072, 1536, 10.3, 42.3), (64, 6144, 2304, 8.0, 41.0)]
-    shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B")
+    shape = Shape(96, 18432, 96, 73728, 256000, 4096, num_kv_heads=8, mlp="relu2", name="Nemotron-4 340B",
+                  grad_bytes=4)
     return [Run(f"nemotron4 340B {gpus}", f"NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 2, row DP {dp}",
                 shape, "H100-80GB", gpus, 400,
                 Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None),
@@ -554,7 +585,7 @@ def _nemotron4():
                              "notes (aiportalx.com/nvidia/nemotron-4-340b). The tests check the times against Table "
                              "2's MFU column.",
                              "The interleaving degree, micro-batch and recomputation are not printed: left to the "
-                             "planner."))
+                             "planner.", "bf16 assumed (Megatron-LM on H100s without FP8). " + MEGATRON_BF16))
             for dp, gpus, batch, seconds, _ in rows]
 
 
@@ -574,13 +605,21 @@ def _llama3():
                              "assumed (at 131,072 tokens its attention term outweighs 6 P).",
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
-                             "Micro-batch, recomputation and interleaving degree not printed.",
+                             "Micro-batch, recomputation and interleaving degree not printed; section 3.3.2 says "
+                             "the 8K runs needed no activation checkpointing, with an interleaved schedule.",
+                             "Not applied: section 3.3.2 accumulates gradients over micro-batches and reduce-"
+                             "scatters them in FP32. With 4-byte gradients the planner predicts 0.77, 0.74 and 0.94 "
+                             "of these rows (its ZeRO-2 reduce-scatter per micro-batch exposed on the network; "
+                             "ZeRO-1's whole FP32 gradients leave no room for the activations it counts), where "
+                             "Meta overlapped the reduction and fit 8K without recomputation: the planner's count "
+                             "of activations for Meta's schedule is the larger error (the 8,192-GPU row's "
+                             "disagreement). The record keeps 2-byte gradients, against its source: named here.",
                              "Table 4 as arXiv 2407.21783v3 (p. 10) prints it, quoted in stored notes; v1's text "
                              "prints DP 4 in the CP row, which neither 16,384 GPUs nor 16M tokens per batch (16 "
                              "sequences per DP rank) allow."),
                 disagreement=("At 32 micro-batches per step the planner fits only plain 1F1B without recomputation "
                               "(the interleaved schedule's activations come to 96-110 GB in its count, full "
-                              "recomputation costs a forward), so it predicts 0.82 of the reported throughput; "
+                              "recomputation costs a forward), so it predicts 0.83 of the reported throughput; "
                               "Meta's own schedule (section 3.3.2: the number of micro-batches per round chosen "
                               "freely, tensors freed once sent) holds less than the planner counts."
                               if gpus == 8192 else ""))
@@ -593,6 +632,17 @@ def llama3(size, seq_len=8192):
             "405B": dataclasses.replace(LLAMA3_405B, seq_len=seq_len)}[size]
 
 
+# torchtitan's FSDP2 reduces gradients in fp32 by default (its job config's training.mixed_precision_reduce,
+# "float32", into MixedPrecisionPolicy's reduce_dtype; parameters gathered in bf16): 4 bytes per reduced gradient.
+TORCHTITAN_REDUCE = ("FSDP2 reduces gradients in fp32, torchtitan's default (training.mixed_precision_reduce "
+                     "'float32'): 4-byte gradients.")
+
+
+def titan(size, seq_len=8192):
+    """A Llama 3.1 shape as torchtitan trains it: gradients reduced in fp32 (TORCHTITAN_REDUCE)."""
+    return dataclasses.replace(llama3(size, seq_len), grad_bytes=4)
+
+
 def _torchtitan():
     source = ("pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26), "
               "Table {}")
@@ -600,17 +650,19 @@ def _torchtitan():
               "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one (ZeRO-2): "
               "torchtitan/parallelisms/parallelize_llama.py at 9dec370.",
               "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
-              "the tensors take: the planner's prediction, of what must be allocated, is expected below it.")
-    cp_rows = ("At sequences of 32K-64K tokens attention is most of the step, and the planner times flash attention "
-               "through the roofline with the s x s scores as memory traffic (flash attention never writes them): "
-               "that matches the 128K-256K rows but not these. Attention's own efficiency (FlashAttention-2 "
-               "reaches about 35% of an H100's peak: Shah et al. 2024) and PyTorch's ring attention are not "
-               "modelled.")
+              "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
+              TORCHTITAN_REDUCE)
+    cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
+               "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
+               "No one attention efficiency fits all four: each GPU holds 32K tokens, and each further 32K keys "
+               "cost 137 us per token from 32K to 64K, then 270 and 223: attention's cost per key doubled once "
+               "PyTorch's ring had 4 or 8 ranks. The causal half at FlashAttention-2's efficiency puts the 8K rows "
+               "1.2-1.35x too fast (compute.py).")
     runs = []
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
         runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
-                        llama3(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
+                        titan(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra, disagreement=disagreement))
 
     # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16 eager, then torch.compile, then Float8
@@ -650,13 +702,13 @@ def _torchtitan():
     older = ("pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06), 'Llama 3 performance numbers', "
              "row {}")
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
-        runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), llama3(size),
+        runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
                         Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3,
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
-                                     "described: 200 Gb/s per GPU assumed.", common[1],
+                                     "described: 200 Gb/s per GPU assumed.", common[1], TORCHTITAN_REDUCE,
                                      "Whether torch.compile was on is not said: fused element-wise work assumed.")))
     return runs
 
@@ -681,11 +733,12 @@ def _megatron_core_h100():
                              "400 Gb/s per GPU between nodes assumed (a DGX H100's eight ConnectX-7).",
                              "Megatron-LM at that commit shards data-parallel state only with its distributed "
                              "optimizer (--use-distributed-optimizer, ZeRO-1; FSDP came later): ZeRO 0 or 1.",
+                             MEGATRON_BF16,
                              "The README's tensor-parallel overlap is not given to the planner: its tp_overlap hides "
                              "every collective behind the products entirely (1.2-1.3x the measured throughput at TP "
                              "8), where Transformer Engine's overlap hides part of them; exposed is the nearer "
                              "bound."),
-                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.16x slower than the "
+                disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.14x slower than the "
                               "roofline's efficiency curve allows: at 2048 the products reach less of the peak "
                               "than the stated curve (compute.py) gives." if name == "1.7B" else ""))
             for name, heads, dim, layers, tp, pp, dp, gpus, batch, tflops in rows]
@@ -735,14 +788,28 @@ def _others():
     deepseek = Run("deepseek-v3 671B", "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), "
                    "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
                    "1 (180K H800 GPU hours per trillion tokens)",
-                   Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, name="DeepSeek-V3"),
+                   Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, mlp="swiglu",
+                         name="DeepSeek-V3", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1, first_k_dense_replace=3,
+                         intermediate_size=18432, topk_group=4),
                    "H800-80GB", 2048, 400,
-                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True),
+                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True, schedule="ZB-H1",
+                          ep_overlap=True),
                    180e3, unit="gpu_hours_per_1e12_tokens",
-                   unmodelled=("multi-head latent attention, a shared expert beside the 256 routed ones, 3 dense "
-                               "layers first, multi-token prediction and DualPipe: no field for any of them"),
                    assumptions=("Batch 15,360 sequences of 4096, its value after the first 469B tokens "
                                 "(section 4.2).",
+                                "DualPipe (section 3.2.1) is not one of the planner's schedules: ZB-H1, the "
+                                "zero-bubble schedule it extends, stands for it (DualPipe's bubble is about half "
+                                "of it, its activations p + 1 micro-batches and its parameters twice); its "
+                                "overlap of the expert all-to-all with another chunk's computation is "
+                                "Config.ep_overlap.",
+                                "Node-limited routing: each token's experts on at most 4 nodes (section 2.1.2; "
+                                "config.json's topk_group 4), so at most 4 copies cross InfiniBand; the dispatch in "
+                                "FP8 (section 3.3.2) is not modelled (16 bits both ways).",
+                                "Recomputation: the planner's best that fits is full; DeepSeek recomputes only the "
+                                "RMSNorms and MLA's up-projections and keeps some activations in FP8 (sections "
+                                "3.2.3, 3.3.2), which the planner has no mode for. Multi-token prediction (one "
+                                "more layer and output head on the last stage) is not counted.",
                                 "Sections 1, 3.1, 3.2 and 4.2 as transcribed in stored copies of the report (its "
                                 "links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); the shape from the released "
                                 "config.json (61 layers, 7168, 128 heads, 256 routed experts of 2048, top 8, "

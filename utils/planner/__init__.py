@@ -24,7 +24,8 @@ from utils.planner.course import (expert_dispatch_bytes_per_token, fsdp_bytes, f
                                   small_model_bytes, small_model_units, tensor_parallel_layer_bytes)
 from utils.planner.describe import (A100_80GB, CP_MODES, GB, GPU, GPUS, H100_SXM, RECOMPUTE, RECOMPUTE_OTHER,
                                     SCHEDULES, ZERO_STAGES, Cluster, Config, Link, Model, check_config, cluster,
-                                    rank_layer_counts, stage_layer_counts)
+                                    rank_dense_layers, rank_layer_counts, rank_layer_kinds,
+                                    stage_layer_counts)
 from utils.planner.memory import (BUCKET_ELEMENTS, FRAGMENTATION, RUNTIME_BYTES, activation_bytes, buffer_bytes,
                                   layer_activation_bytes, logits_bytes, memory_per_device, micro_batches_in_flight,
                                   model_state_bytes, peak_memory, pieces_in_flight, rank_layers, stage_params,

@@ -101,8 +101,10 @@ def layer_times(model, cluster, config):
 def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False, fused=True):
     h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
-    kv = max(model.kv_dim // t, model.head_dim)
-    shapes = [(tokens, h, h // t), (tokens, h, kv), (tokens, h, kv), (tokens, h // t, h)]
+    shapes = [(tokens, k, n) for k, n in attention_shapes(model, t)]
+    shared = model.n_shared_experts * model.ffn_dim // t if model.moe else model.ffn_dim // t  # every token's MLP
+    if shared:
+        shapes += [(tokens, h, shared)] * (model.ffn_matrices - 1) + [(tokens, shared, h)]
     if model.moe:
         local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
         per_expert = [(local, h, model.ffn_dim)] * (model.ffn_matrices - 1) + [(local, model.ffn_dim, h)]
@@ -110,21 +112,48 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
         experts = sum(matmul_seconds(*s, cluster, batch=model.num_experts // ep, element_bytes=e, float8=f8)
                       for s in per_expert)
     else:
-        shapes += [(tokens, h, model.ffn_dim // t)] * (model.ffn_matrices - 1) + [(tokens, model.ffn_dim // t, h)]
         experts = 0.0
     matmul = sum(matmul_seconds(*s, cluster, element_bytes=e, float8=f8) for s in shapes) + experts
-    heads, d, blocks = b * model.num_heads // t, model.head_dim, cp
+    heads, blocks = b * model.num_heads // t, cp
     block = model.seq_len // cp
-    # Known limit: flash attention never writes the s x s scores, yet the roofline's memory term counts them; it
-    # stands in for attention kernels' lower efficiency (FlashAttention-2 reaches about 35% of an H100's peak), and
-    # timing flash attention by its FLOPs alone instead puts torchtitan's long-sequence rows 1.3-1.9x off
-    # (utils/planner_runs.py, the CP rows' disagreement). A measured attention efficiency would replace both.
-    attention = 2 * matmul_seconds(block, d, block, cluster, batch=heads * blocks, element_bytes=e)
+    # Known limit: flash attention never writes the s x s scores, yet the roofline's memory term counts them: at
+    # head dim 128 the whole square runs at 128 FLOP/byte x HBM, 43% of an H100's peak, as if the causal half ran at
+    # 22%. Timing it instead as the kernel runs (the causal half of the square, at FlashAttention-2's 35% of an
+    # H100's peak for head dim 128, as Shah et al. 2024's FlashAttention-3 paper measures it) was tried and not kept:
+    # it puts torchtitan's 8K-token rows 1.20-1.35x and its 128K-256K CP rows 1.5-1.9x too fast. Those rows' own numbers
+    # (Table 2: 32K tokens per GPU against 32K, 64K, 128K, 256K keys) cost 137, 270, 223 us per token for each
+    # further 32K keys: no one kernel efficiency fits them (utils/planner_runs.py, the CP rows' disagreement).
+    attention = (matmul_seconds(block, model.qk_head_dim, block, cluster, batch=heads * blocks, element_bytes=e)
+                 + matmul_seconds(block, block, model.value_head_dim, cluster, batch=heads * blocks, element_bytes=e))
     kept = layer_activation_bytes(model, Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b,
                                                 sequence_parallel=sequence_parallel))
-    flops = 2 * tokens / t * model.layer_matmul_params + 4 * b * model.seq_len ** 2 * h / (cp * t)
+    flops = (2 * tokens / t * model.layer_matmul_params
+             + b * model.seq_len / cp * model.attention_flops_per_token / t)
     traffic = ELEMENTWISE_TRAFFIC if fused else ELEMENTWISE_TRAFFIC_EAGER
     return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops)
+
+
+def attention_shapes(model, tp):
+    """(k, n) of attention's products on one tensor-parallel rank: wq (h, h/t), wk and wv (h, kv/t: whole heads,
+    a copy when tp exceeds the key/value heads), wo (h/t, h); latent attention's down-projections to its latents
+    (wq_a, wkv_a) whole on every rank, its up-projections (wq_b, wkv_b) and wo split by heads."""
+    if not model.mla:
+        h, kv = model.dim, max(model.kv_dim // tp, model.head_dim)
+        return [(h, h // tp), (h, kv), (h, kv), (h // tp, h)]
+    *projections, (out, h) = model.attention_matrices
+    downs = [(k, n) for k, n in projections if k == h]  # from the layer's input: wq_a (or wq), wkv_a
+    ups = [(k, n // tp) for k, n in projections if k != h]
+    if not model.q_lora_rank:  # wq straight from dim: split by heads like the up-projections
+        downs, ups = downs[1:], [(h, downs[0][1] // tp)] + ups
+    return downs + ups + [(out // tp, h)]
+
+
+def kv_width(model, tp):
+    """Keys' and values' features per token on one tensor-parallel rank (what a ring hands on): 2 kv_dim / t (whole
+    heads), or latent attention's heads' keys and values, heads (qk_head_dim + v_head_dim) / t."""
+    if model.mla:
+        return model.num_heads * (model.qk_head_dim + model.value_head_dim) // tp
+    return 2 * max(model.kv_dim // tp, model.head_dim)
 
 
 def output_layer_seconds(model, cluster, config):

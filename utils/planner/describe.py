@@ -51,6 +51,21 @@ class Model:
     dropout: bool = False  # dropout after attention's softmax and each residual branch (GPT-3; its masks are kept)
     flash_attention: bool = True  # attention's s x s scores are never kept (recomputed in backward, in blocks)
     capacity_factor: float = 1.0  # a MoE layer's experts process up to this times their even share of tokens
+    # DeepSeek-V2/V3's multi-head latent attention (DeepSeek-AI 2024, arXiv 2405.04434 section 2.1; their config.json
+    # names): queries from a q_lora_rank latent, keys and values from a kv_lora_rank latent (with a shared rotary key
+    # of qk_rope_head_dim), each head's query/key qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim.
+    q_lora_rank: int = 0  # 0: the queries straight from dim (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0  # 0: no latent attention (wq, wk, wv, wo of dim / num_heads per head)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeekMoE (arXiv 2401.06066): experts every token goes through beside its top_k routed ones, and the first
+    # layers dense, with an MLP of intermediate_size (0: ffn_dim, the experts' width)
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+    topk_group: int = 0  # node-limited routing (DeepSeek-V3, section 2.1.2): a token's experts on at most this many
+    #                      nodes; 0: anywhere
 
     def __post_init__(self):
         for field in ("num_layers", "dim", "num_heads", "ffn_dim", "seq_len", "vocab_size", "num_experts", "top_k",
@@ -64,6 +79,17 @@ class Model:
             raise ValueError(f"top_k {self.top_k} is more than num_experts {self.num_experts}")
         if not self.capacity_factor >= 1:
             raise ValueError(f"capacity_factor must be at least 1, got {self.capacity_factor}")
+        for field in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "n_shared_experts", "first_k_dense_replace", "intermediate_size", "topk_group"):
+            check_int(field, getattr(self, field), 0)
+        if self.kv_lora_rank and not (self.qk_nope_head_dim + self.qk_rope_head_dim and self.v_head_dim):
+            raise ValueError("latent attention (kv_lora_rank > 0) needs qk_nope_head_dim + qk_rope_head_dim and "
+                             "v_head_dim")
+        if (self.n_shared_experts or self.first_k_dense_replace) and not self.moe:
+            raise ValueError("n_shared_experts and first_k_dense_replace belong to a MoE model (num_experts > 1)")
+        if self.first_k_dense_replace > self.num_layers:
+            raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} is more than num_layers "
+                             f"{self.num_layers}")
 
     @functools.cached_property
     def kv_heads(self):
@@ -81,11 +107,57 @@ class Model:
     def moe(self):
         return self.num_experts > 1
 
+    @property
+    def mla(self):
+        return self.kv_lora_rank > 0
+
+    @functools.cached_property
+    def qk_head_dim(self):
+        """A head's query and key width: head_dim, or latent attention's qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @functools.cached_property
+    def value_head_dim(self):
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @functools.cached_property
+    def attention_widths(self):
+        """(Q, K, V, output, latents): what attention keeps per token for backward, in elements: Q and K heads x
+        qk_head_dim (K kv_dim under grouped-query attention), V kv_dim, the output (wo's input) heads x
+        value_head_dim; latent attention's K and V per head as Q and the output, and its two latents, each as its
+        norm's input and its up-projection's input."""
+        q, out = self.num_heads * self.qk_head_dim, self.num_heads * self.value_head_dim
+        if not self.mla:
+            return q, self.kv_dim, self.kv_dim, out, 0
+        return q, q, out, out, 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
+
+    @functools.cached_property
+    def kv_cache_dim(self):
+        """What a token keeps of keys and values per layer (elements): 2 kv_dim, or latent attention's compressed
+        kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3 against 2 x 128 x 128 for its heads' own)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 2 * self.kv_dim
+
+    @functools.cached_property
+    def attention_matrices(self):
+        """(k, n) of each of attention's weights, in order: wq, wk, wv, wo; with latent attention (DeepSeek-V3's
+        names) wq_a (dim, q_lora_rank) and wq_b (q_lora_rank, heads x qk) or wq (dim, heads x qk), wkv_a (dim,
+        kv_lora_rank + qk_rope_head_dim), wkv_b (kv_lora_rank, heads x (qk_nope_head_dim + v_head_dim)), wo
+        (heads x v_head_dim, dim)."""
+        h, heads = self.dim, self.num_heads
+        if not self.mla:
+            return ((h, h), (h, self.kv_dim), (h, self.kv_dim), (h, h))
+        q = ((h, self.q_lora_rank), (self.q_lora_rank, heads * self.qk_head_dim)) if self.q_lora_rank else \
+            ((h, heads * self.qk_head_dim),)
+        kv = ((h, self.kv_lora_rank + self.qk_rope_head_dim),
+              (self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim)))
+        return q + kv + ((heads * self.v_head_dim, h),)
+
     # parameters, counted layer by layer (utils/transformer.py's names)
     @functools.cached_property
     def attention_params(self):
-        weights = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim  # wq, wo; wk, wv (smaller under GQA)
-        return weights + (2 * self.dim + 2 * self.kv_dim) * self.biases
+        weights = sum(k * n for k, n in self.attention_matrices)  # wq, wk, wv (smaller under GQA), wo
+        latent_norms = self.q_lora_rank + self.kv_lora_rank  # RMSNorm of each latent
+        return weights + (2 * self.dim + 2 * self.kv_dim) * self.biases + latent_norms
 
     @functools.cached_property
     def expert_params(self):
@@ -100,11 +172,27 @@ class Model:
 
     @functools.cached_property
     def layer_dense_params(self):
-        """A layer's weights outside its experts: attention, two norms, the router of a MoE layer (or the MLP of a
-        dense layer, which has one 'expert' that every rank holds)."""
+        """A layer's weights outside its routed experts: attention, two norms, the router and shared experts of a
+        MoE layer (or the MLP of a dense layer, which has one 'expert' that every rank holds)."""
         router = self.dim * self.num_experts if self.moe else 0
-        mlp = 0 if self.moe else self.expert_params
+        mlp = self.n_shared_experts * self.expert_params if self.moe else self.expert_params
         return self.attention_params + 2 * self.norm_params + router + mlp
+
+    @functools.cached_property
+    def dense_layer(self):
+        """The model of the first_k_dense_replace dense layers (DeepSeek-V3's first 3): the same attention, one MLP
+        of intermediate_size; None if every layer is alike."""
+        if not self.first_k_dense_replace:
+            return None
+        return dataclasses.replace(self, num_experts=1, top_k=1, ffn_dim=self.intermediate_size or self.ffn_dim,
+                                   n_shared_experts=0, first_k_dense_replace=0, intermediate_size=0,
+                                   capacity_factor=1.0, topk_group=0)
+
+    def layer_kinds(self, dense_layers, layers):
+        """[(model of a layer, how many)] for `layers` layers of which `dense_layers` are the dense first ones."""
+        if not dense_layers:
+            return [(self, layers)]
+        return [(self.dense_layer, dense_layers)] + ([(self, layers - dense_layers)] if layers > dense_layers else [])
 
     @functools.cached_property
     def layer_expert_params(self):
@@ -120,26 +208,39 @@ class Model:
         """The final norm and the output layer (its weight is tok_embeddings' when tied)."""
         return self.norm_params + self.vocab_size * self.dim * (not self.tied)
 
+    def _over_layers(self, per_layer):
+        """per_layer(model of a layer) summed over the layers: the dense first ones and the rest."""
+        return sum(count * per_layer(kind) for kind, count in self.layer_kinds(self.first_k_dense_replace,
+                                                                              self.num_layers))
+
     @functools.cached_property
     def num_params(self):
         """Every parameter. Narayanan et al. 2021's 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h)) for a GPT-3-shaped
         model (see the class), plus the final norm's 2h, which their count leaves out."""
-        layer = self.layer_dense_params + self.layer_expert_params
-        return self.num_layers * layer + self.embedding_params + self.head_params
+        layers = self._over_layers(lambda kind: kind.layer_dense_params + kind.layer_expert_params)
+        return layers + self.embedding_params + self.head_params
 
     @functools.cached_property
     def active_params(self):
-        """The parameters one token goes through: top_k of the experts."""
+        """The parameters one token goes through: top_k of the routed experts (and the shared ones)."""
         idle = (self.num_experts - self.top_k) * self.expert_params if self.moe else 0
-        return self.num_params - self.num_layers * idle
+        return self.num_params - (self.num_layers - self.first_k_dense_replace) * idle
 
     @functools.cached_property
     def layer_matmul_params(self):
-        """The weights one token multiplies in a layer: wq, wk, wv, wo, the router and top_k experts' matrices (a
-        dense layer's MLP); biases and norms are added, not multiplied."""
+        """The weights one token multiplies in a layer: attention's (attention_matrices), the router and top_k
+        experts' matrices and the shared experts' (a dense layer's MLP); biases and norms are added, not
+        multiplied."""
         router = self.dim * self.num_experts if self.moe else 0
-        mlp = self.ffn_matrices * self.dim * self.ffn_dim * (self.top_k if self.moe else 1)
-        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + router + mlp
+        experts = self.top_k + self.n_shared_experts if self.moe else 1
+        mlp = self.ffn_matrices * self.dim * self.ffn_dim * experts
+        return sum(k * n for k, n in self.attention_matrices) + router + mlp
+
+    @functools.cached_property
+    def attention_flops_per_token(self):
+        """QK^T and AV of one token in one layer, forward, against all s keys (the whole square, as Narayanan et al.
+        count): 2 s heads (qk_head_dim + value_head_dim), 4 s h without latent attention."""
+        return 2 * self.seq_len * self.num_heads * (self.qk_head_dim + self.value_head_dim)
 
     def flops_per_token(self, recompute="none"):
         """Training FLOPs per token, counted from the matrix products: the forward 2 x the weights a token
@@ -147,9 +248,9 @@ class Model:
         output layer 2 V h; backward twice the forward. Not counted: the embedding lookup (a gather, no product),
         norms and element-wise work. With full recomputation one more forward of the layers (not of the output
         layer): Narayanan et al. 2021's 96 B s l h^2 (1 + s/6h + V/16lh) per step of B sequences."""
-        forward_layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.dim
+        forward_layers = self._over_layers(lambda kind: 2 * kind.layer_matmul_params + kind.attention_flops_per_token)
         passes = 4 if recompute == "full" else 3
-        return self.num_layers * passes * forward_layer + 3 * 2 * self.vocab_size * self.dim
+        return passes * forward_layers + 3 * 2 * self.vocab_size * self.dim
 
 
 # ---------------------------------------------------------------- devices and links
@@ -283,6 +384,8 @@ class Config:
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)
     fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
+    ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's computation (DeepSeek-V3's
+    #                           DualPipe, section 3.2.1: a forward and a backward chunk overlapped)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -309,6 +412,25 @@ def rank_layer_counts(num_layers, pp, v=1):
     """Layers each pipeline rank holds: its pieces rank, rank + pp, ... of stage_layer_counts(num_layers, pp v)."""
     counts = stage_layer_counts(num_layers, pp * v)
     return tuple(sum(counts[rank::pp]) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_dense_layers(num_layers, first_k_dense, pp, v=1):
+    """How many of the first `first_k_dense` layers each pipeline rank holds (its pieces rank, rank + pp, ... of
+    stage_layer_counts(num_layers, pp v), in order)."""
+    counts = stage_layer_counts(num_layers, pp * v)
+    starts = [sum(counts[:piece]) for piece in range(pp * v)]
+    dense = [max(0, min(first_k_dense, start + count) - start) for start, count in zip(starts, counts)]
+    return tuple(sum(dense[rank::pp]) for rank in range(pp))
+
+
+def rank_layer_kinds(model, pp, v, stage):
+    """[(model of a layer, how many)] on pipeline rank `stage`: its dense first layers and its others."""
+    layers = rank_layer_counts(model.num_layers, pp, v)[stage]
+    if not model.first_k_dense_replace:
+        return ((model, layers),)
+    dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, pp, v)[stage]
+    return model.layer_kinds(dense, layers)
 
 
 def _batch_sizes_that_divide(global_batch, unit):

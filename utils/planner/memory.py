@@ -15,7 +15,7 @@ kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^
 with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
 context parallel holds s / cp tokens.
 """
-from utils.planner.describe import rank_layer_counts
+from utils.planner.describe import rank_layer_counts, rank_layer_kinds
 
 # PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
 # tensors' bytes. With the CUDA context, cuBLAS's workspaces and NCCL's buffers (an assumed 2 GB), this is what the
@@ -48,11 +48,13 @@ def stage_params(model, config, stage=0):
     rank holds tok_embeddings, the last the final norm and output; a tied output layer on a rank other than the
     first is a copy of tok_embeddings (Megatron-LM keeps one there and sums the two gradients)."""
     first, last = stage == 0, stage == config.pp - 1
-    layers = rank_layers(model, config, stage)
     head = model.head_params + model.vocab_size * model.dim * (model.tied and not first)
-    dense = (layers * model.layer_dense_params + model.embedding_params * first + head * last) / config.tp
-    experts = layers * model.layer_expert_params / config.ep
-    return dense, experts
+    layers, experts = 0, 0
+    for kind, count in rank_layer_kinds(model, config.pp, config.v, stage):  # DeepSeek-V3's dense first layers apart
+        layers += count * kind.layer_dense_params
+        experts += count * kind.layer_expert_params
+    dense = (layers + model.embedding_params * first + head * last) / config.tp
+    return dense, experts / config.ep
 
 
 def model_state_bytes(model, config, stage=0):
@@ -72,6 +74,8 @@ def buffer_bytes(model, config, stage=0):
     layer. ZeRO-2: one reduce bucket of unsharded gradients. ZeRO-0/1 keep whole gradients, counted as gradients
     already."""
     layer = model.layer_dense_params / config.tp + model.layer_expert_params / config.ep
+    if model.dense_layer:  # DeepSeek-V3's dense first layers
+        layer = max(layer, model.dense_layer.layer_dense_params / config.tp)
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
         unit = max([layer] + [e / config.tp for e in ends])
@@ -87,7 +91,9 @@ def layer_activation_bytes(model, config, recompute=None):
     micro-batch, t = tp; `recompute` overrides config's): none, every tensor; selective, none of attention's s x s
     ones (what flash attention keeps anyway); selective_op (torchtitan's policy), the layer's input, the outputs of
     every other matrix product (wq, wv, the MLP's first and last: the 1st, 3rd, 5th and 7th products of a SwiGLU
-    layer) and attention's output; full, the layer's input only, s b h e / t.
+    layer) and attention's output; full, the layer's input only, s b h e / t. Latent attention (DeepSeek-V3) keeps
+    its heads' Q, K, V and output and its two latents (Model.attention_widths); a MoE layer's MLP tensors are its
+    top_k routed experts' and its shared experts'.
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
     s b h (10 + 24 / t + 5 a s / h t) (Table 2)."""
@@ -96,12 +102,14 @@ def layer_activation_bytes(model, config, recompute=None):
     recompute = recompute or config.recompute
     if recompute == "full":
         return s * b * h * e * (1 if config.distribute_saved_activations else whole) / t
-    f = model.ffn_dim * (model.top_k * model.capacity_factor if model.moe else 1)  # a token's expert MLPs
-    if recompute == "selective_op":  # input h (split like the norms'), wq's h, wv's kv, w1's f, w2's h, attention h
-        return s * b * (h * whole + 3 * h + model.kv_dim + f) * e / t
+    # a token's expert MLPs: top_k routed (up to the capacity factor) and the shared ones
+    f = model.ffn_dim * (model.top_k * model.capacity_factor + model.n_shared_experts if model.moe else 1)
+    q, k, v, out, latents = model.attention_widths  # h, kv_dim, kv_dim, h without latent attention
+    if recompute == "selective_op":  # input h (split like the norms'), wq's q, wv's v, w1's f, w2's h, attention's
+        return s * b * (h * whole + q + v + out + h + f) * e / t
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
     unsplit = 4 * h * e + 2 * h * model.dropout  # norms' inputs, QKV's and the MLP's input; 1-byte dropout masks
-    split = (2 * h + 2 * model.kv_dim + kept_by_mlp * f) * e  # Q, K, V, wo's input, the MLP's ffn_dim-wide tensors
+    split = (q + k + v + out + latents + kept_by_mlp * f) * e  # Q, K, V, wo's input, the MLP's ffn_dim-wide ones
     if recompute == "none" and not model.flash_attention:
         split += model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
     return s * b * (unsplit * whole + split) / t
@@ -134,10 +142,13 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
     full recomputation, plus one layer recomputed in full during its backward; on the last rank, one micro-batch's
     fp32 logits."""
-    pieces = rank_layers(model, config, stage) / config.v
-    kept = pieces_in_flight(config, num_micro_batches, stage) * pieces * layer_activation_bytes(model, config)
+    kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
+    piece = 0.0
+    for kind, layers in kinds:
+        piece += layers * layer_activation_bytes(kind, config)
+    kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
-        kept += layer_activation_bytes(model, config, recompute="none")
+        kept += max(layer_activation_bytes(kind, config, recompute="none") for kind, _ in kinds)
     return kept
 
 

@@ -13,7 +13,8 @@ than that computation is exposed.
         cp_mode "all_gather" (Llama 3): one all-gather of K forward, a reduce-scatter of its gradient backward,
         exposed.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
-        (notebook 10), exposed.
+        (notebook 10; at most topk_group of them between nodes, Model.topk_group), exposed, unless
+        Config.ep_overlap (DeepSeek-V3's DualPipe), then what the layer's computation does not hide.
     pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04); M
         from every tensor-parallel rank without sequence parallel and Config.pp_scatter_gather.
     dp  FSDP (ZeRO-3), per micro-batch and layer: an all-gather forward, prefetched beside the previous layer's
@@ -33,13 +34,13 @@ import operator
 
 from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
-from utils.planner.compute import layer_times, memory_bound_seconds, output_layer_seconds
-from utils.planner.describe import check_config, rank_layer_counts
+from utils.planner.compute import kv_width, layer_times, memory_bound_seconds, output_layer_seconds
+from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
 from utils.planner.memory import model_state_bytes
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
-CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused")
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused", "ep_overlap")
 
 
 def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
@@ -116,7 +117,7 @@ def _layer_terms(model, cluster, config):
     tp_pass = (1 if model.moe else 2) * pair
     tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
     tp_b = max(0.0, tp_pass - 2 * lt.matmul) if c.tp_overlap else tp_pass
-    kv_block = 2 * tokens * max(model.kv_dim // t, model.head_dim) * e
+    kv_block = tokens * kv_width(model, t) * e
     if c.cp_mode == "ring":
         block = lt.attention / c.cp
         hop, hop_back = on("cp", "send", kv_block), on("cp", "send", 2 * kv_block)
@@ -125,8 +126,16 @@ def _layer_terms(model, cluster, config):
     else:
         cp_f = on("cp", "all_gather", c.cp * kv_block)
         cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
-    a2a = on("ep", "all_to_all", tokens / t * model.top_k * model.dim * e * model.capacity_factor) if model.moe else 0
+    # dispatch and combine: the rank's T/t tokens' top_k copies; with node-limited routing (DeepSeek-V3, section
+    # 2.1.2: a token's experts on at most topk_group nodes) at most topk_group copies cross between nodes, the rest
+    # forwarded over NVLink inside the node beside them (section 3.2.2)
+    copies = model.top_k * model.capacity_factor
+    if model.topk_group and links["ep"][1] is cluster.inter:
+        copies = min(copies, model.topk_group)
+    a2a = on("ep", "all_to_all", tokens / t * copies * model.dim * e) if model.moe else 0
     ep_f = ep_b = 2 * a2a
+    if c.ep_overlap:  # DualPipe: hidden behind another micro-batch's computation, what that does not cover exposed
+        ep_f, ep_b = max(0.0, ep_f - lt.forward), max(0.0, ep_b - lt.input_grad - lt.weight_grad)
 
     # the data axis, per layer (experts on their own copies' group)
     n, _ = links["dp"]
@@ -159,48 +168,74 @@ def _slowest_stage(model, cluster, config):
     seconds; and the data axis's exposed seconds once per step (ZeRO-0/1's gradients, ZeRO-1/2's updated weights).
     Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
     c = config
-    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = _layer_terms(model, cluster, c)
-    full = c.recompute == "full"
+    counts = rank_layer_counts(model.num_layers, c.pp, c.v)
+    candidates = {0, c.pp - 1, counts.index(max(counts))}  # the others hold as many layers as one of these
+    if model.first_k_dense_replace:  # and the fullest without DeepSeek-V3's dense first layers
+        dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, c.pp, c.v)
+        candidates |= set([s for s in range(c.pp) if counts[s] == max(counts) and not dense[s]][:1])
+    per_layer, stages = {}, []
+    for stage in sorted(candidates):
+        (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
+        if id(kind) not in per_layer:  # (a Model's hash costs more than its terms' lookup)
+            per_layer[id(kind)] = _per_layer(kind, cluster, c)
+        part = _layers_part(per_layer[id(kind)], c, layers, last=stage == c.pp - 1)
+        for kind, layers in others:  # the routed layers after the dense ones
+            more = _layers_part(_per_layer(kind, cluster, c), c, layers, last=stage == c.pp - 1, ends=False)
+            part = {key: value + more[key] for key, value in part.items()}
+        stages.append(part)
+    part = max(stages, key=lambda p: p["F"] + p["B"] + p["W"])
+    return part, part.pop("per_step")
+
+
+def _per_layer(model, cluster, config):
+    """One layer's terms (_layer_terms), what recomputation adds to its backward, and its forward and backward with
+    the communication they expose."""
+    c, terms = config, _layer_terms(model, cluster, config)
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
     recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
                   "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
-
     forward_layer = lt.forward + tp_f + cp_f + ep_f
     backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
-    if full:
+    if c.recompute == "full":
         backward_layer += tp_f + cp_f + ep_f
-    backward_layer += recomputed
+    return terms, recomputed, forward_layer, backward_layer + recomputed
+
+
+def _layers_part(per_layer, config, layers, last, ends=True):
+    """`layers` layers alike of a pipeline stage (per_layer: _per_layer of one), per micro-batch: each group's
+    exposed time, F, B, W and compute; with `ends`, the stage's hand-offs (and on the last, the output layer); and
+    the data axis's exposed seconds once per step."""
+    c = config
+    terms, recomputed, forward_layer, backward_layer = per_layer
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = terms
+    full = c.recompute == "full"
 
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
         return layers * max(0.0, comm - beside)
 
-    counts = rank_layer_counts(model.num_layers, c.pp, c.v)
     fsdp = c.zero_stage == 3 and n > 1
-    stages = []
-    fullest = counts.index(max(counts))
-    for stage in sorted({0, fullest, c.pp - 1}):  # the others hold as many layers as `fullest`, nothing more
-        # per micro-batch: each group's exposed time, and F, B, W
-        layers, last = counts[stage], stage == c.pp - 1
-        part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
-                "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
-        dp_f = gather + hidden_behind(gather, lt.forward * c.prefetch, layers - 1) if fsdp else 0.0
-        dp_b = (hidden_behind(gather + reduce, backward_layer, layers) if c.prefetch else  # gathers on demand
-                layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
-        if c.zero_stage == 2 and n > 1:
-            dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
-        part["dp"] = dp_f + dp_b
-        part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
-        part["W"] = layers * lt.weight_grad + out_b / 2 * last
-        part["B"] = layers * backward_layer - part["W"] + out_b + c.v * pp_send + dp_b
-        part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
-        stages.append((layers, part))
-    layers, part = max(stages, key=lambda item: item[1]["F"] + item[1]["B"] + item[1]["W"])
-    per_step = 0.0
+    # per micro-batch: each group's exposed time, and F, B, W
+    pp_send = pp_send * ends
+    part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
+            "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
+    dp_f = gather + hidden_behind(gather, lt.forward * c.prefetch, layers - 1) if fsdp else 0.0
+    dp_b = (hidden_behind(gather + reduce, backward_layer, layers) if c.prefetch else  # gathers on demand
+            layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
+    if c.zero_stage == 2 and n > 1:
+        dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
+    last = last and ends
+    part["dp"] = dp_f + dp_b
+    part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
+    part["W"] = layers * lt.weight_grad + out_b / 2 * last
+    part["B"] = layers * backward_layer - part["W"] + out_b * last + c.v * pp_send + dp_b
+    part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
+    part["per_step"] = 0.0
     if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights
         if c.zero_stage <= 1:
-            per_step += hidden_behind(reduce, backward_layer, layers) + reduce
+            part["per_step"] += hidden_behind(reduce, backward_layer, layers) + reduce
         if c.zero_stage in (1, 2):
-            per_step += hidden_behind(gather, lt.forward, layers) + gather
-    return part, per_step
+            part["per_step"] += hidden_behind(gather, lt.forward, layers) + gather
+    return part
 
 
 @_memo()
