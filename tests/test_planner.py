@@ -305,6 +305,15 @@ def test_configs_are_exactly_the_valid_ones():
     assert pl.Config(dp=1, tp=8) not in configs  # 4 heads
 
 
+def test_context_parallel_is_searched_only_with_blockwise_attention():
+    # ring attention folds each hop's block of scores into the output (an online softmax): a model that keeps the
+    # s x s scores has no ring to run, and the search offers it cp 1 only
+    blockwise = pl.configs(TINY, TINY_CLUSTER, 8, micro_batch_sizes=(1,), zero_stages=(1,))
+    assert {c.cp for c in blockwise} == {1, 2, 4, 8}
+    scores_kept = dataclasses.replace(TINY, flash_attention=False)
+    assert {c.cp for c in pl.configs(scores_kept, TINY_CLUSTER, 8, micro_batch_sizes=(1,), zero_stages=(1,))} == {1}
+
+
 def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
     """The search without its shortcuts: every valid config estimated alone (estimate: its own memory, no pruning),
     with step.py's caches bypassed (their functions called through __wrapped__); those that fit, fastest first."""
