@@ -249,6 +249,28 @@ def test_a_ring_hand_off_is_exposed_where_the_block_is_shorter():
     assert row["cp_s"] < 0.01 * row["step_s"]  # 8K-token blocks: attention hides the hops
 
 
+def test_the_rings_merge_per_hop_is_compute_that_grows_as_blocks_shrink():
+    from utils.planner.step import RING_HOP_WORK, ring_merge_seconds
+    cluster = pl.cluster("H100 SXM", 8)
+    assert ring_merge_seconds(cluster, pl.Config(cp=1), 1e6, 1e6) == (0.0, 0.0)
+    assert ring_merge_seconds(pl.Cluster(8, 8, 80e9, NVLINK, INFINIBAND, 989e12, mfu=0.5), pl.Config(cp=8), 1e6,
+                              1e6) == (0.0, 0.0)  # a fixed mfu: no roofline, no element-wise time
+    eager, fused = (ring_merge_seconds(cluster, pl.Config(cp=8, fused=f), 4096 * 4096, 2 * 4096 * 1024 * 2)
+                    for f in (False, True))
+    # 7 hops of 38 (10) bytes per output element and 11 (3) kernels, forward
+    assert math.isclose(eager[0], 7 * ((38 * 4096 * 4096 + 2 * 2 * 4096 * 1024 * 2) / cluster.hbm_bandwidth
+                                       + 11 * cluster.kernel_seconds))
+    assert fused[0] < eager[0] and RING_HOP_WORK[True][0] < RING_HOP_WORK[False][0]
+    model = pl.Model(8, 4096, 32, 11008, 8192, 32000, num_kv_heads=8, ffn_matrices=3)
+
+    def ring_share(cp):  # the ring's work over the layer's own, forward and backward, one 8K-token sequence
+        config = pl.Config(cp=cp)
+        lt, tokens = pl.layer_times(model, cluster, config), model.seq_len // cp
+        merge = ring_merge_seconds(cluster, config, tokens * model.dim, 2 * tokens * model.kv_dim * 2)
+        return sum(merge) / (lt.forward + lt.input_grad + lt.weight_grad)
+    assert ring_share(8) > 2 * ring_share(2) > 0  # 1K-token blocks pay more of the ring's fixed work than 4K ones
+
+
 def test_bubbles_by_schedule():
     f, b, w = 1.0, 1.5, 1.0
     assert pl.bubble_seconds("1F1B", 4, 8, 1, f, b, w) == pytest.approx(3 * (f + b + w))

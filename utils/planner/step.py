@@ -11,7 +11,8 @@ than that computation is exposed.
         forward, each hop beside one block of attention: exposed where the block is shorter than the hop; backward
         cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
         cp_mode "all_gather" (Llama 3): one all-gather of K forward, a reduce-scatter of its gradient backward,
-        exposed.
+        exposed. The ring's own work per hop (the fp32 merge of each block's output, the send buffers:
+        RING_HOP_WORK) is the device's, counted with the compute.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
         (notebook 10), exposed.
     pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04); M
@@ -40,6 +41,20 @@ from utils.planner.memory import model_state_bytes
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
 CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused")
+
+# The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
+# log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
+# and values (and, backward, their gradients) assembled. PyTorch's context_parallel, which torchtitan runs
+# (torch/distributed/tensor/experimental/_attention.py, _templated_ring_attention and _SDPAMerger), does it in eager
+# kernels: the block output cast to fp32 (2 + 4 bytes per element), out - block_out (12), sigmoid(...) times it
+# (8), out minus that (12): 38 bytes per element of the rank's attention output, and with the log-sum-exp's
+# casts, sigmoid and logsigmoid and the torch.cat of K and V, 11 kernels; TransformerEngine's ring (Megatron-Core)
+# fuses the correction: the fp32 output read and written and the block's read, 10 bytes, in about 3 kernels.
+# Backward, per hop: dq accumulated in fp32 (10 bytes per element) and dk, dv accumulated and sent on. At 8K-token
+# blocks this is a few % of a layer; at 1K-token blocks (cp 8 at 8K, cp 32 at 32K) it is what makes context parallel
+# at short sequences cost more than its hops (Megatron-Core's context-parallel guide: CP for long sequences).
+# {fused: (forward bytes per output element, forward kernels, backward bytes per element, backward kernels)}
+RING_HOP_WORK = {False: (38, 11, 10, 6), True: (10, 3, 10, 3)}
 
 
 def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
@@ -117,11 +132,13 @@ def _layer_terms(model, cluster, config):
     tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
     tp_b = max(0.0, tp_pass - 2 * lt.matmul) if c.tp_overlap else tp_pass
     kv_block = 2 * tokens * max(model.kv_dim // t, model.head_dim) * e
+    merge_f = merge_b = 0.0
     if c.cp_mode == "ring":
         block = lt.attention / c.cp
         hop, hop_back = on("cp", "send", kv_block), on("cp", "send", 2 * kv_block)
         cp_f = (c.cp - 1) * max(0.0, hop - block)
         cp_b = (c.cp - 1) * max(0.0, hop_back - 2 * block) + hop * (c.cp > 1)
+        merge_f, merge_b = ring_merge_seconds(cluster, c, tokens * model.dim // t, kv_block)
     else:
         cp_f = on("cp", "all_gather", c.cp * kv_block)
         cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
@@ -143,7 +160,20 @@ def _layer_terms(model, cluster, config):
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
     pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
-    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b
+    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b
+
+
+def ring_merge_seconds(cluster, config, output_elements, kv_block_bytes):
+    """(forward, backward) seconds of the ring's own work beside its attention kernels, per layer and micro-batch:
+    cp - 1 hops of RING_HOP_WORK, memory-bound, each kernel at the device's fixed cost (none at a fixed mfu)."""
+    hops = config.cp - 1
+    if hops == 0 or cluster.mfu is not None:
+        return 0.0, 0.0
+    bytes_f, kernels_f, bytes_b, kernels_b = RING_HOP_WORK[config.fused]
+    forward = memory_bound_seconds(bytes_f * output_elements + 2 * kv_block_bytes, cluster)
+    backward = memory_bound_seconds(bytes_b * output_elements + 2 * 5 * kv_block_bytes, cluster)  # dk, dv: 10 B
+    return (hops * (forward + kernels_f * cluster.kernel_seconds),
+            hops * (backward + kernels_b * cluster.kernel_seconds))
 
 
 @_memo("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")
@@ -159,13 +189,14 @@ def _slowest_stage(model, cluster, config):
     seconds; and the data axis's exposed seconds once per step (ZeRO-0/1's gradients, ZeRO-1/2's updated weights).
     Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
     c = config
-    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = _layer_terms(model, cluster, c)
+    (lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f,
+     merge_b) = _layer_terms(model, cluster, c)
     full = c.recompute == "full"
-    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
+    recomputed = {"full": lt.forward + merge_f, "selective": lt.attention + merge_f, "none": 0.0,
                   "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
 
-    forward_layer = lt.forward + tp_f + cp_f + ep_f
-    backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
+    forward_layer = lt.forward + merge_f + tp_f + cp_f + ep_f
+    backward_layer = lt.input_grad + lt.weight_grad + merge_b + tp_b + cp_b + ep_b
     if full:
         backward_layer += tp_f + cp_f + ep_f
     backward_layer += recomputed
@@ -191,7 +222,8 @@ def _slowest_stage(model, cluster, config):
         part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
         part["W"] = layers * lt.weight_grad + out_b / 2 * last
         part["B"] = layers * backward_layer - part["W"] + out_b + c.v * pp_send + dp_b
-        part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
+        part["compute"] = (layers * (lt.forward + merge_f + lt.input_grad + lt.weight_grad + merge_b + recomputed)
+                           + (out_f + out_b) * last)
         stages.append((layers, part))
     layers, part = max(stages, key=lambda item: item[1]["F"] + item[1]["B"] + item[1]["W"])
     per_step = 0.0
