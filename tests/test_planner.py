@@ -240,6 +240,22 @@ def test_fsdp_gathers_per_micro_batch_zero1_once_per_step():
     assert math.isclose(dp[1, 256], dp[1, 64])  # once per step
 
 
+def test_the_root_units_gather_and_reduce_are_exposed_per_micro_batch_with_fsdp_once_per_step_with_zero1():
+    # FSDP2's root unit (embedding, final norm, output layer): gathered before the first layer, reduce-scattered
+    # after the last gradient, nothing beside either; ZeRO-1 reduces and gathers it once per step
+    cluster = pl.cluster("H100 SXM", 16)
+    small, large = LLAMA2_7B, dataclasses.replace(LLAMA2_7B, vocab_size=128000)
+    link = cluster.inter
+
+    def root(model, op, per_param):
+        return pl.collective_seconds(op, 16, (model.embedding_params + model.head_params) * per_param, link)
+    extra = sum(root(large, op, 2) - root(small, op, 2) for op in ("all_gather", "reduce_scatter"))
+    for zero, times in ((3, 4), (1, 1)):  # 4 micro-batches
+        config = pl.Config(dp=16, micro_batch_size=1, zero_stage=zero)
+        dp = [pl.estimate(model, cluster, 64, config)["dp_s"] for model in (small, large)]
+        assert math.isclose(dp[1] - dp[0], times * extra, rel_tol=1e-9), zero
+
+
 def test_a_ring_hand_off_is_exposed_where_the_block_is_shorter():
     cluster = pl.cluster("H100 SXM", 16)
     short, long = (pl.Model(8, 4096, 32, 11008, s, 32000, num_kv_heads=8, ffn_matrices=3) for s in (2048, 131072))

@@ -24,6 +24,8 @@ than that computation is exposed.
         beside the last micro-batch's backward, layer by layer; ZeRO-1/2's all-gather of the updated weights beside
         the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather). Config.prefetch
         False: FSDP's gathers are issued when a layer starts, exposed; its reduce-scatters still overlap.
+        The weights outside the layers (embedding, final norm, output layer: FSDP2's root unit) on the first and
+        last pipeline ranks: gathered and reduced, exposed, per micro-batch with FSDP, once per step otherwise.
     bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
         idle_slots below that (utils.pipeline, notebook 11). F, B, W: the slowest stage's forward, input-gradient
         and weight-gradient times per micro-batch, their exposed communication included.
@@ -218,7 +220,13 @@ def _slowest_stage(model, cluster, config):
                 layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
         if c.zero_stage == 2 and n > 1:
             dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
+        root_gather, root_reduce = _root_seconds(model, cluster, c, stage)
+        if fsdp:  # the root unit: gathered before the first layer runs, reduce-scattered after the last gradient
+            dp_f, dp_b = dp_f + root_gather, dp_b + root_reduce
+        elif c.zero_stage == 2:
+            dp_b += root_reduce
         part["dp"] = dp_f + dp_b
+        part["root"] = (root_gather, root_reduce)
         part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
         part["W"] = layers * lt.weight_grad + out_b / 2 * last
         part["B"] = layers * backward_layer - part["W"] + out_b + c.v * pp_send + dp_b
@@ -227,12 +235,29 @@ def _slowest_stage(model, cluster, config):
         stages.append((layers, part))
     layers, part = max(stages, key=lambda item: item[1]["F"] + item[1]["B"] + item[1]["W"])
     per_step = 0.0
-    if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights
+    root_gather, root_reduce = part["root"]
+    if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights (the root's last and first)
         if c.zero_stage <= 1:
-            per_step += hidden_behind(reduce, backward_layer, layers) + reduce
+            per_step += hidden_behind(reduce, backward_layer, layers) + reduce + root_reduce
         if c.zero_stage in (1, 2):
-            per_step += hidden_behind(gather, lt.forward, layers) + gather
+            per_step += hidden_behind(gather, lt.forward, layers) + gather + root_gather
     return part, per_step
+
+
+def _root_seconds(model, cluster, config, stage):
+    """(gather, reduce) seconds on the data axis of the weights outside the layers on pipeline rank `stage`: the
+    embedding on the first, the final norm and the output layer on the last, vocab-parallel over tp. FSDP2 wraps them
+    as the root unit, gathered once per micro-batch and reduce-scattered once (the course's small_model_bytes, checked
+    call by call against FSDP2 in tests/test_planner.py; torchtitan's apply_fsdp shards the root after the blocks):
+    nothing computes before the first gather or after the last reduce-scatter, so both are exposed. With a vocabulary
+    of 128K they are 13% of Llama 3 8B's weights."""
+    n, link = group_links(cluster, config)["dp"]
+    params = (model.embedding_params * (stage == 0) + model.head_params * (stage == config.pp - 1)) / config.tp
+    if n == 1 or not params:
+        return 0.0, 0.0
+    reduce_op = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+    return (collective_seconds("all_gather", n, params * model.param_bytes, link),
+            collective_seconds(reduce_op, n, params * model.grad_bytes, link))
 
 
 @_memo()
