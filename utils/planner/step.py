@@ -116,8 +116,8 @@ def _memo(*fields):
 @_memo("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "zero_stage", "cp_mode", "tp_overlap", *CHOICES)
 def _layer_terms(model, cluster, config):
     """One layer and micro-batch, whatever the recomputation and schedule: its times, each group's exposed
-    communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off
-    and the output layer's (forward, backward)."""
+    communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off,
+    the output layer's (forward, backward), the ring's own work (forward, backward) and the root's transfers."""
     c, links, lt = config, group_links(cluster, config), layer_times(model, cluster, config)
     e, t = model.activation_bytes, config.tp
 
@@ -162,7 +162,8 @@ def _layer_terms(model, cluster, config):
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
     pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
-    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b
+    roots = _root_seconds(model, c, *links["dp"])
+    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
 
 
 def ring_merge_seconds(cluster, config, output_elements, kv_block_bytes):
@@ -192,7 +193,7 @@ def _slowest_stage(model, cluster, config):
     Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
     c = config
     (lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f,
-     merge_b) = _layer_terms(model, cluster, c)
+     merge_b, roots) = _layer_terms(model, cluster, c)
     full = c.recompute == "full"
     recomputed = {"full": lt.forward + merge_f, "selective": lt.attention + merge_f, "none": 0.0,
                   "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
@@ -220,7 +221,7 @@ def _slowest_stage(model, cluster, config):
                 layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
         if c.zero_stage == 2 and n > 1:
             dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
-        root_gather, root_reduce = _root_seconds(model, cluster, c, stage)
+        root_gather, root_reduce = roots.get(stage, (0.0, 0.0))
         if fsdp:  # the root unit: gathered before the first layer runs, reduce-scattered after the last gradient
             dp_f, dp_b = dp_f + root_gather, dp_b + root_reduce
         elif c.zero_stage == 2:
@@ -244,20 +245,22 @@ def _slowest_stage(model, cluster, config):
     return part, per_step
 
 
-def _root_seconds(model, cluster, config, stage):
-    """(gather, reduce) seconds on the data axis of the weights outside the layers on pipeline rank `stage`: the
-    embedding on the first, the final norm and the output layer on the last, vocab-parallel over tp. FSDP2 wraps them
+def _root_seconds(model, config, n, link):
+    """{pipeline rank: (gather, reduce) seconds} on the data axis of the weights outside the layers: the embedding on
+    the first rank, the final norm and the output layer on the last, vocab-parallel over tp. FSDP2 wraps them
     as the root unit, gathered once per micro-batch and reduce-scattered once (the course's small_model_bytes, checked
     call by call against FSDP2 in tests/test_planner.py; torchtitan's apply_fsdp shards the root after the blocks):
     nothing computes before the first gather or after the last reduce-scatter, so both are exposed. With a vocabulary
     of 128K they are 13% of Llama 3 8B's weights."""
-    n, link = group_links(cluster, config)["dp"]
-    params = (model.embedding_params * (stage == 0) + model.head_params * (stage == config.pp - 1)) / config.tp
-    if n == 1 or not params:
-        return 0.0, 0.0
+    if n == 1:
+        return {}
     reduce_op = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
-    return (collective_seconds("all_gather", n, params * model.param_bytes, link),
-            collective_seconds(reduce_op, n, params * model.grad_bytes, link))
+    seconds = {}
+    for stage in {0, config.pp - 1}:
+        params = (model.embedding_params * (stage == 0) + model.head_params * (stage == config.pp - 1)) / config.tp
+        seconds[stage] = (collective_seconds("all_gather", n, params * model.param_bytes, link),
+                          collective_seconds(reduce_op, n, params * model.grad_bytes, link))
+    return seconds
 
 
 @_memo()
