@@ -253,6 +253,22 @@ def test_fsdp_gathers_per_micro_batch_zero1_once_per_step():
     assert math.isclose(dp[1, 256], dp[1, 64])  # once per step
 
 
+def test_the_root_units_gather_and_reduce_are_exposed_per_micro_batch_with_fsdp_once_per_step_with_zero1():
+    # FSDP2's root unit (embedding, final norm, output layer): gathered before the first layer, reduce-scattered
+    # after the last gradient, nothing beside either; ZeRO-1 reduces and gathers it once per step
+    cluster = pl.cluster("H100 SXM", 16)
+    small, large = LLAMA2_7B, dataclasses.replace(LLAMA2_7B, vocab_size=128000)
+    link = cluster.inter
+
+    def root(model, op, per_param):
+        return pl.collective_seconds(op, 16, (model.embedding_params + model.head_params) * per_param, link)
+    extra = sum(root(large, op, 2) - root(small, op, 2) for op in ("all_gather", "reduce_scatter"))
+    for zero, times in ((3, 4), (1, 1)):  # 4 micro-batches
+        config = pl.Config(dp=16, micro_batch_size=1, zero_stage=zero)
+        dp = [pl.estimate(model, cluster, 64, config)["dp_s"] for model in (small, large)]
+        assert math.isclose(dp[1] - dp[0], times * extra, rel_tol=1e-9), zero
+
+
 def test_a_ring_hand_off_is_exposed_where_the_block_is_shorter():
     cluster = pl.cluster("H100 SXM", 16)
     short, long = (pl.Model(8, 4096, 32, 11008, s, 32000, num_kv_heads=8, ffn_matrices=3) for s in (2048, 131072))
@@ -260,6 +276,28 @@ def test_a_ring_hand_off_is_exposed_where_the_block_is_shorter():
     assert pl.estimate(short, cluster, 16, config)["cp_s"] > 0.05 * pl.estimate(short, cluster, 16, config)["step_s"]
     row = pl.estimate(long, cluster, 16, config)
     assert row["cp_s"] < 0.01 * row["step_s"]  # 8K-token blocks: attention hides the hops
+
+
+def test_the_rings_merge_per_hop_is_compute_that_grows_as_blocks_shrink():
+    from utils.planner.step import RING_HOP_WORK, ring_merge_seconds
+    cluster = pl.cluster("H100 SXM", 8)
+    assert ring_merge_seconds(cluster, pl.Config(cp=1), 1e6, 1e6) == (0.0, 0.0)
+    assert ring_merge_seconds(pl.Cluster(8, 8, 80e9, NVLINK, INFINIBAND, 989e12, mfu=0.5), pl.Config(cp=8), 1e6,
+                              1e6) == (0.0, 0.0)  # a fixed mfu: no roofline, no element-wise time
+    eager, fused = (ring_merge_seconds(cluster, pl.Config(cp=8, fused=f), 4096 * 4096, 2 * 4096 * 1024 * 2)
+                    for f in (False, True))
+    # 7 hops of 38 (10) bytes per output element and 11 (3) kernels, forward
+    assert math.isclose(eager[0], 7 * ((38 * 4096 * 4096 + 2 * 2 * 4096 * 1024 * 2) / cluster.hbm_bandwidth
+                                       + 11 * cluster.kernel_seconds))
+    assert fused[0] < eager[0] and RING_HOP_WORK[True][0] < RING_HOP_WORK[False][0]
+    model = pl.Model(8, 4096, 32, 11008, 8192, 32000, num_kv_heads=8, ffn_matrices=3)
+
+    def ring_share(cp):  # the ring's work over the layer's own, forward and backward, one 8K-token sequence
+        config = pl.Config(cp=cp)
+        lt, tokens = pl.layer_times(model, cluster, config), model.seq_len // cp
+        merge = ring_merge_seconds(cluster, config, tokens * model.dim, 2 * tokens * model.kv_dim * 2)
+        return sum(merge) / (lt.forward + lt.input_grad + lt.weight_grad)
+    assert ring_share(8) > 2 * ring_share(2) > 0  # 1K-token blocks pay more of the ring's fixed work than 4K ones
 
 
 def test_bubbles_by_schedule():
@@ -316,6 +354,15 @@ def test_configs_are_exactly_the_valid_ones():
     for c in configs:
         pl.check_config(TINY, TINY_CLUSTER, 8, c)
     assert pl.Config(dp=1, tp=8) not in configs  # 4 heads
+
+
+def test_context_parallel_is_searched_only_with_blockwise_attention():
+    # ring attention folds each hop's block of scores into the output (an online softmax): a model that keeps the
+    # s x s scores has no ring to run, and the search offers it cp 1 only
+    blockwise = pl.configs(TINY, TINY_CLUSTER, 8, micro_batch_sizes=(1,), zero_stages=(1,))
+    assert {c.cp for c in blockwise} == {1, 2, 4, 8}
+    scores_kept = dataclasses.replace(TINY, flash_attention=False)
+    assert {c.cp for c in pl.configs(scores_kept, TINY_CLUSTER, 8, micro_batch_sizes=(1,), zero_stages=(1,))} == {1}
 
 
 def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):

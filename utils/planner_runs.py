@@ -854,7 +854,7 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "the long-context stage kept the 8K runs' TP 8 x PP 16 and added CP 16 to fit 131K tokens",
         LLAMA3_SOURCE, {"tp": {8}, "pp": {16}}),
     r"llama3 ": Reason(
-        "Meta added context parallel only to lengthen the context (131K); at 8K, TP 8 stays inside a node",
+        "CP only to reach 131K tokens; at 8K, TP 8 in a node and Meta's interleaving (beyond the planner's memory)",
         LLAMA3_SOURCE, {"cp": {1}}),
     r"torchtitan 70B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",

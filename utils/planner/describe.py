@@ -463,6 +463,10 @@ def check_config(model, cluster, global_batch, config):
     if config.v > 1 and config.schedule != "interleaved":
         raise ValueError(f"v {config.v} pieces per rank need the interleaved schedule, got {config.schedule!r}")
     stage_layer_counts(model.num_layers, config.pp * config.v)
+    if config.cp > 1 and not model.flash_attention:  # as the search offers it (search._valid)
+        raise ValueError(f"cp {config.cp} needs flash (blockwise) attention: the ring folds each hop's block of scores "
+                         f"into the output and keeps none; a model that keeps the s x s scores has no ring to run "
+                         f"(Model(flash_attention=True), or cp 1)")
     local_seq = divide("seq_len", model.seq_len, "cp", config.cp, "every context-parallel rank holds a chunk")
     divide("seq_len / cp", local_seq, "tp", config.tp, "sequence parallel splits each rank's chunk over tp")
     divide("dp x cp", config.dp * config.cp, "ep", config.ep, "expert parallel borrows its ranks from the data axis")

@@ -25,12 +25,17 @@ def _valid(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recompu
            schedules=SCHEDULE_CHOICES):
     """(config, micro-batches) for every valid config. The sizes check_config would refuse are skipped by
     arithmetic first (the search's cost is here: tests check that both agree); recomputation and the ZeRO stage
-    never make a split invalid. Without a pipeline, one schedule; ZB-H1 where m >= p (its formula's range)."""
+    never make a split invalid. Without a pipeline, one schedule; ZB-H1 where m >= p (its formula's range); context
+    parallel only with flash (blockwise) attention, as the ring computes it."""
     n = cluster.num_devices
     ns = divisors(n)
     tps = [t for t in ns if model.num_heads % t == 0 and model.ffn_dim % t == 0
            and (model.kv_heads % t == 0 or t % model.kv_heads == 0)]
-    cps = [c for c in ns if model.seq_len % c == 0]
+    # Context parallel is ring attention, which is blockwise: each hop's block of scores is computed and folded into
+    # the output by an online softmax, never kept (Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+    # section 3; Megatron-Core runs it only on TransformerEngine's flash/fused attention: its context-parallel docs).
+    # A model whose attention keeps the s x s scores (flash_attention False) has no ring to run: cp 1 only.
+    cps = [c for c in ns if model.seq_len % c == 0 and (c == 1 or model.flash_attention)]
     pps = [p for p in ns if p <= model.num_layers]
     for tp, pp, cp in itertools.product(tps, pps, cps):
         if n % (tp * pp * cp) or (model.seq_len // cp) % tp:

@@ -11,7 +11,8 @@ than that computation is exposed.
         forward, each hop beside one block of attention: exposed where the block is shorter than the hop; backward
         cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
         cp_mode "all_gather" (Llama 3): one all-gather of K forward, a reduce-scatter of its gradient backward,
-        exposed.
+        exposed. The ring's own work per hop (the fp32 merge of each block's output, the send buffers:
+        RING_HOP_WORK) is the device's, counted with the compute.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
         (notebook 10; at most topk_group of them between nodes, Model.topk_group), exposed, unless
         Config.ep_overlap (DeepSeek-V3's DualPipe), then what the layer's computation does not hide.
@@ -24,6 +25,8 @@ than that computation is exposed.
         beside the last micro-batch's backward, layer by layer; ZeRO-1/2's all-gather of the updated weights beside
         the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather). Config.prefetch
         False: FSDP's gathers are issued when a layer starts, exposed; its reduce-scatters still overlap.
+        The weights outside the layers (embedding, final norm, output layer: FSDP2's root unit) on the first and
+        last pipeline ranks: gathered and reduced, exposed, per micro-batch with FSDP, once per step otherwise.
     bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
         idle_slots below that (utils.pipeline, notebook 11). F, B, W: the slowest stage's forward, input-gradient
         and weight-gradient times per micro-batch, their exposed communication included.
@@ -41,6 +44,20 @@ from utils.planner.memory import model_state_bytes
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
 CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused", "ep_overlap")
+
+# The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
+# log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
+# and values (and, backward, their gradients) assembled. PyTorch's context_parallel, which torchtitan runs
+# (torch/distributed/tensor/experimental/_attention.py, _templated_ring_attention and _SDPAMerger), does it in eager
+# kernels: the block output cast to fp32 (2 + 4 bytes per element), out - block_out (12), sigmoid(...) times it
+# (8), out minus that (12): 38 bytes per element of the rank's attention output, and with the log-sum-exp's
+# casts, sigmoid and logsigmoid and the torch.cat of K and V, 11 kernels; TransformerEngine's ring (Megatron-Core)
+# fuses the correction: the fp32 output read and written and the block's read, 10 bytes, in about 3 kernels.
+# Backward, per hop: dq accumulated in fp32 (10 bytes per element) and dk, dv accumulated and sent on. At 8K-token
+# blocks this is a few % of a layer; at 1K-token blocks (cp 8 at 8K, cp 32 at 32K) it is what makes context parallel
+# at short sequences cost more than its hops (Megatron-Core's context-parallel guide: CP for long sequences).
+# {fused: (forward bytes per output element, forward kernels, backward bytes per element, backward kernels)}
+RING_HOP_WORK = {False: (38, 11, 10, 6), True: (10, 3, 10, 3)}
 
 
 def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
@@ -100,8 +117,8 @@ def _memo(*fields):
 @_memo("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "zero_stage", "cp_mode", "tp_overlap", *CHOICES)
 def _layer_terms(model, cluster, config):
     """One layer and micro-batch, whatever the recomputation and schedule: its times, each group's exposed
-    communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off
-    and the output layer's (forward, backward)."""
+    communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off,
+    the output layer's (forward, backward), the ring's own work (forward, backward) and the root's transfers."""
     c, links, lt = config, group_links(cluster, config), layer_times(model, cluster, config)
     e, t = model.activation_bytes, config.tp
 
@@ -118,11 +135,13 @@ def _layer_terms(model, cluster, config):
     tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
     tp_b = max(0.0, tp_pass - 2 * lt.matmul) if c.tp_overlap else tp_pass
     kv_block = tokens * kv_width(model, t) * e
+    merge_f = merge_b = 0.0
     if c.cp_mode == "ring":
         block = lt.attention / c.cp
         hop, hop_back = on("cp", "send", kv_block), on("cp", "send", 2 * kv_block)
         cp_f = (c.cp - 1) * max(0.0, hop - block)
         cp_b = (c.cp - 1) * max(0.0, hop_back - 2 * block) + hop * (c.cp > 1)
+        merge_f, merge_b = ring_merge_seconds(cluster, c, tokens * model.dim // t, kv_block)
     else:
         cp_f = on("cp", "all_gather", c.cp * kv_block)
         cp_b = on("cp", "reduce_scatter", c.cp * kv_block)
@@ -152,7 +171,21 @@ def _layer_terms(model, cluster, config):
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
     pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
-    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b
+    roots = _root_seconds(model, c, *links["dp"])
+    return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
+
+
+def ring_merge_seconds(cluster, config, output_elements, kv_block_bytes):
+    """(forward, backward) seconds of the ring's own work beside its attention kernels, per layer and micro-batch:
+    cp - 1 hops of RING_HOP_WORK, memory-bound, each kernel at the device's fixed cost (none at a fixed mfu)."""
+    hops = config.cp - 1
+    if hops == 0 or cluster.mfu is not None:
+        return 0.0, 0.0
+    bytes_f, kernels_f, bytes_b, kernels_b = RING_HOP_WORK[config.fused]
+    forward = memory_bound_seconds(bytes_f * output_elements + 2 * kv_block_bytes, cluster)
+    backward = memory_bound_seconds(bytes_b * output_elements + 2 * 5 * kv_block_bytes, cluster)  # dk, dv: 10 B
+    return (hops * (forward + kernels_f * cluster.kernel_seconds),
+            hops * (backward + kernels_b * cluster.kernel_seconds))
 
 
 @_memo("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")
@@ -178,9 +211,9 @@ def _slowest_stage(model, cluster, config):
         (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
         if id(kind) not in per_layer:  # (a Model's hash costs more than its terms' lookup)
             per_layer[id(kind)] = _per_layer(kind, cluster, c)
-        part = _layers_part(per_layer[id(kind)], c, layers, last=stage == c.pp - 1)
+        part = _layers_part(per_layer[id(kind)], c, layers, stage)
         for kind, layers in others:  # the routed layers after the dense ones
-            more = _layers_part(_per_layer(kind, cluster, c), c, layers, last=stage == c.pp - 1, ends=False)
+            more = _layers_part(_per_layer(kind, cluster, c), c, layers, stage, ends=False)
             part = {key: value + more[key] for key, value in part.items()}
         stages.append(part)
     part = max(stages, key=lambda p: p["F"] + p["B"] + p["W"])
@@ -192,22 +225,23 @@ def _per_layer(model, cluster, config):
     the communication they expose."""
     c, terms = config, _layer_terms(model, cluster, config)
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
-    recomputed = {"full": lt.forward, "selective": lt.attention, "none": 0.0,
+    merge_f, merge_b = terms[13:15]
+    recomputed = {"full": lt.forward + merge_f, "selective": lt.attention + merge_f, "none": 0.0,
                   "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
-    forward_layer = lt.forward + tp_f + cp_f + ep_f
-    backward_layer = lt.input_grad + lt.weight_grad + tp_b + cp_b + ep_b
+    forward_layer = lt.forward + merge_f + tp_f + cp_f + ep_f
+    backward_layer = lt.input_grad + lt.weight_grad + merge_b + tp_b + cp_b + ep_b
     if c.recompute == "full":
         backward_layer += tp_f + cp_f + ep_f
     return terms, recomputed, forward_layer, backward_layer + recomputed
 
 
-def _layers_part(per_layer, config, layers, last, ends=True):
-    """`layers` layers alike of a pipeline stage (per_layer: _per_layer of one), per micro-batch: each group's
-    exposed time, F, B, W and compute; with `ends`, the stage's hand-offs (and on the last, the output layer); and
-    the data axis's exposed seconds once per step."""
+def _layers_part(per_layer, config, layers, stage, ends=True):
+    """`layers` layers alike of pipeline stage `stage` (per_layer: _per_layer of one), per micro-batch: each
+    group's exposed time, F, B, W and compute; with `ends`, the stage's hand-offs, the output layer on the last
+    stage and the root unit's transfers (_root_seconds); and the data axis's exposed seconds once per step."""
     c = config
     terms, recomputed, forward_layer, backward_layer = per_layer
-    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b = terms
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots = terms
     full = c.recompute == "full"
 
     def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
@@ -223,19 +257,43 @@ def _layers_part(per_layer, config, layers, last, ends=True):
             layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
     if c.zero_stage == 2 and n > 1:
         dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
-    last = last and ends
+    root_gather, root_reduce = roots.get(stage, (0.0, 0.0)) if ends else (0.0, 0.0)
+    if fsdp:  # the root unit: gathered before the first layer runs, reduce-scattered after the last gradient
+        dp_f, dp_b = dp_f + root_gather, dp_b + root_reduce
+    elif c.zero_stage == 2:
+        dp_b += root_reduce
+    last = stage == c.pp - 1 and ends
     part["dp"] = dp_f + dp_b
     part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
     part["W"] = layers * lt.weight_grad + out_b / 2 * last
     part["B"] = layers * backward_layer - part["W"] + out_b * last + c.v * pp_send + dp_b
-    part["compute"] = layers * (lt.forward + lt.input_grad + lt.weight_grad + recomputed) + (out_f + out_b) * last
+    part["compute"] = (layers * (lt.forward + merge_f + lt.input_grad + lt.weight_grad + merge_b + recomputed)
+                       + (out_f + out_b) * last)
     part["per_step"] = 0.0
-    if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights
+    if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights (the root's last and first)
         if c.zero_stage <= 1:
-            part["per_step"] += hidden_behind(reduce, backward_layer, layers) + reduce
+            part["per_step"] += hidden_behind(reduce, backward_layer, layers) + reduce + root_reduce
         if c.zero_stage in (1, 2):
-            part["per_step"] += hidden_behind(gather, lt.forward, layers) + gather
+            part["per_step"] += hidden_behind(gather, lt.forward, layers) + gather + root_gather
     return part
+
+
+def _root_seconds(model, config, n, link):
+    """{pipeline rank: (gather, reduce) seconds} on the data axis of the weights outside the layers: the embedding on
+    the first rank, the final norm and the output layer on the last, vocab-parallel over tp. FSDP2 wraps them
+    as the root unit, gathered once per micro-batch and reduce-scattered once (the course's small_model_bytes, checked
+    call by call against FSDP2 in tests/test_planner.py; torchtitan's apply_fsdp shards the root after the blocks):
+    nothing computes before the first gather or after the last reduce-scatter, so both are exposed. With a vocabulary
+    of 128K they are 13% of Llama 3 8B's weights."""
+    if n == 1:
+        return {}
+    reduce_op = "all_reduce" if config.zero_stage == 0 else "reduce_scatter"
+    seconds = {}
+    for stage in {0, config.pp - 1}:
+        params = (model.embedding_params * (stage == 0) + model.head_params * (stage == config.pp - 1)) / config.tp
+        seconds[stage] = (collective_seconds("all_gather", n, params * model.param_bytes, link),
+                          collective_seconds(reduce_op, n, params * model.grad_bytes, link))
+    return seconds
 
 
 @_memo()
