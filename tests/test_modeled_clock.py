@@ -167,3 +167,81 @@ def test_a_ring_with_nothing_to_compute_waits_for_its_hand_offs():
     clock = mc.ring_replay([[0.0] * 3 for _ in range(3)], 2.0)
     assert clock.step == 4.0 and clock.idle == [1.0, 1.0, 1.0]
     assert mc.ring_replay([[1.0, 5.0], [1.0, 1.0]], 0.5).step == 6.0  # the ring ends with its slowest rank
+
+
+# ---------------------------------------------------------------- two streams: data parallel's overlap (notebook 02)
+
+def hand_costs(forward=(1.0, 1.0, 1.0), backward=(2.0, 3.0, 3.0), seconds_per_byte=1.0):
+    """Costs by hand: an all-reduce of S recorded bytes takes S seconds (no alpha) on an intra-node link."""
+    link = pl.Link(alpha=0.0, beta=1.0)
+    # a world of 2: a ring all-reduce moves 2 (N-1)/N S = S bytes
+    return mc.DataParallelCosts(tuple(forward), tuple(backward), seconds_per_byte, 2, link, "by hand", "anywhere")
+
+
+READY = [2, 1, 0]  # the MLP's gradients, last layer first
+
+
+def test_a_synthetic_record_replays_to_hand_computed_times():
+    """Forward 3 s; gradients ready at 6, 9, 11; all-reduces of 2 s each, started as each is ready, waited for at
+    the end: the link runs 6-8, 9-11, 11-13; the step ends at 13, 2 s exposed."""
+    syncs = [mc.Sync(2, k + 1, 3) for k in range(3)]
+    clock = mc.data_parallel_replay(READY, syncs, hand_costs())
+    assert [(s, e) for _, s, e in clock.communication] == [(6, 8), (9, 11), (11, 13)]
+    assert [label for label, _, _ in clock.compute] == ["F0", "F1", "F2", "B2", "B1", "B0"]
+    assert (clock.step, clock.busy, clock.exposed) == (13, 11, 2)
+
+
+def test_a_busy_link_queues_the_all_reduces_in_the_order_they_started():
+    syncs = [mc.Sync(4, 1, 3), mc.Sync(1, 2, 3), mc.Sync(1, 3, 3)]
+    clock = mc.data_parallel_replay(READY, syncs, hand_costs())
+    assert [(s, e) for _, s, e in clock.communication] == [(6, 10), (10, 11), (11, 12)]
+    assert clock.step == 12
+
+
+@pytest.mark.parametrize("syncs", [[mc.Sync(2, k + 1, 3) for k in range(3)], [mc.Sync(4, 2, 3), mc.Sync(2, 3, 3)],
+                                   [mc.Sync(6, 3, None)]])
+def test_no_overlap_is_compute_plus_communication(syncs):
+    costs = hand_costs()
+    clock = mc.data_parallel_replay(READY, syncs, costs, after_backward=True)
+    compute = sum(costs.forward) + sum(costs.backward)
+    assert clock.step == pytest.approx(compute + sum(costs.all_reduce(s.nbytes) for s in syncs))
+    assert clock.exposed == pytest.approx(clock.communicating)
+
+
+@pytest.mark.parametrize("backward", [(2.0, 3.0, 3.0), (0.5, 0.5, 0.5), (9.0, 9.0, 9.0)])
+def test_full_overlap_is_bounded_below_by_the_last_buckets_all_reduce(backward):
+    """Each gradient's all-reduce started as it is ready: the step is at least the backward plus the last one
+    (its gradient is the last ready), and at least the forward plus everything the link carries; with a backward
+    longer than each all-reduce it is exactly the first bound."""
+    costs, syncs = hand_costs(backward=backward), [mc.Sync(2, k + 1, 3) for k in range(3)]
+    clock = mc.data_parallel_replay(READY, syncs, costs)
+    compute = sum(costs.forward) + sum(backward)
+    last = costs.all_reduce(syncs[-1].nbytes)
+    assert clock.step == pytest.approx(max(compute + last, sum(costs.forward) + backward[2] + 3 * last))
+    assert clock.step >= compute + last
+    if min(backward) >= last:
+        assert clock.exposed == pytest.approx(last)
+
+
+def test_waiting_in_the_hook_or_one_bucket_give_other_timelines():
+    costs = hand_costs()
+    overlapped = mc.data_parallel_replay(READY, [mc.Sync(2, k + 1, 3) for k in range(3)], costs)
+    in_the_hook = mc.data_parallel_replay(READY, [mc.Sync(2, k + 1, k + 1) for k in range(3)], costs)
+    one_bucket = mc.data_parallel_replay(READY, [mc.Sync(6, 3, 3)], costs)
+    assert overlapped.step < one_bucket.step == in_the_hook.step == 11 + 6
+    assert [e for _, _, e in in_the_hook.compute] != [e for _, _, e in overlapped.compute]  # the backward held
+
+
+def test_a_wait_before_its_start_is_a_clear_error():
+    with pytest.raises(ValueError, match="waits for 'x' before starting it"):
+        mc.stream_replay([("compute", "F", 1.0), ("wait", "x")])
+
+
+def test_the_mlp_data_parallel_costs_are_the_planners():
+    costs = mc.mlp_data_parallel_costs(4, recorded_weight_bytes=16 * 16 * 8)
+    cluster = pl.cluster("H100 SXM", 64)
+    h, rows = 8192, 32768
+    assert costs.all_reduce(16 * 16 * 8) == pl.collective_seconds("all_reduce", 64, h * h * 2, cluster.inter)
+    assert costs.forward[0] > pl.matmul_seconds(rows, h, h, cluster)  # the product, and GELU
+    assert costs.backward[0] < costs.backward[1]  # the first layer computes no input gradient
+    assert "64 H100 SXM in 8 nodes of 8 (InfiniBand)" in costs.where

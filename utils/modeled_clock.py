@@ -62,18 +62,27 @@ def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROW
     the hand-offs on the pipeline group's link."""
     cluster = pl.cluster(gpu, num_devices)
     h, e = hidden_dim, element_bytes
-    product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
-    weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
-    gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
+    forward, input_grad, weight, product = mlp_layer_seconds(h, rows, cluster, e)
     counts = [len(layers) for layers in stage_layers(num_layers, num_pieces)]
     link = pl.group_links(cluster, pl.Config(pp=num_devices))["pp"][1]  # every device a pipeline rank
     nodes = "one node" if num_devices <= cluster.devices_per_node else f"nodes of {cluster.devices_per_node}"
     where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16",
              f"{num_devices} {gpu} in {nodes} ({'NVLink' if link == cluster.intra else 'InfiniBand'})")
-    return Costs(forward=tuple(n * (product + gelu) for n in counts),
-                 input_grad=tuple(n * (product + gelu_back) - product * (j == 0) for j, n in enumerate(counts)),
+    return Costs(forward=tuple(n * forward for n in counts),
+                 input_grad=tuple(n * input_grad - product * (j == 0) for j, n in enumerate(counts)),
                  weight_grad=tuple(n * weight for n in counts),
                  hand_off=pl.message_seconds(rows * h * e, link), model=where[0], cluster=where[1])
+
+
+def mlp_layer_seconds(hidden_dim, rows, cluster, element_bytes=ELEMENT_BYTES):
+    """(F, B, W, product) of one layer of the course's MLP (Linear then GELU, no bias) on `rows` rows, on one device
+    of `cluster`: F the product x W^T and GELU; B GELU's backward and the input's gradient dz W (the model's first
+    layer has none: subtract `product`); W the weights' gradient dz^T x."""
+    h, e = hidden_dim, element_bytes
+    product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
+    weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
+    gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
+    return product + gelu, product + gelu_back, weight, product
 
 
 def planner_costs(model, cluster, config):
@@ -236,3 +245,136 @@ def ring_replay(seconds, hand_off):
         start = [max(computed[r], sent[r], sent[(r - 1) % n]) for r in range(n)]
     step = max(start)
     return Clock(events, sends, step, [sum(row) for row in seconds])
+
+
+# ---------------------------------------------------------------- a rank's computations and collectives (02, 05)
+
+@dataclasses.dataclass
+class StreamClock:
+    """A rank's step on two streams: its computations, and its collectives one at a time in the order it started
+    them (a GPU's compute and its network move at once)."""
+
+    compute: list  # (label, start, end), modeled seconds
+    communication: list  # (label, start, end)
+    step: float  # from the first computation's start to the last computation's or collective's end
+
+    @property
+    def busy(self):
+        return sum(end - start for _, start, end in self.compute)
+
+    @property
+    def exposed(self):
+        """The communication the computations did not hide: step - computing."""
+        return self.step - self.busy
+
+    @property
+    def communicating(self):
+        return sum(end - start for _, start, end in self.communication)
+
+
+def stream_replay(program):
+    """Replay one rank's `program`, in order: ("compute", label, seconds) runs on the rank; ("start", label,
+    seconds) hands a collective to the communication stream (asynchronous: it starts when the stream is free,
+    after those started before it); ("wait", label) holds the rank until that collective has ended (a blocking
+    collective is a start then its wait). Returns a StreamClock."""
+    now = free = 0.0
+    ends, compute, communication = {}, [], []
+    for op in program:
+        if op[0] == "compute":
+            compute.append((op[1], now, now + op[2]))
+            now += op[2]
+        elif op[0] == "start":
+            start = max(now, free)
+            free = ends[op[1]] = start + op[2]
+            communication.append((op[1], start, free))
+        elif op[0] == "wait":
+            if op[1] not in ends:
+                raise ValueError(f"waits for {op[1]!r} before starting it")
+            now = max(now, ends[op[1]])
+        else:
+            raise ValueError(f"an operation is compute, start or wait, got {op[0]!r}")
+    return StreamClock(compute, communication, max([now, free]))
+
+
+# ---------------------------------------------------------------- data parallel's overlap (notebook 02)
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """One all-reduce of a data-parallel step, as recorded: its bytes, how many gradients were ready when the rank
+    started it and when it waited for it (None: never waited for in the step)."""
+
+    nbytes: int
+    started_after: int
+    waited_after: int = None
+
+
+def recorded_syncs(run, step=0):
+    """The all-reduces of one step of a utils.data_parallel.DataParallelRun, in the order they started (each call's
+    clock reads (gradients ready, phase); a blocking call is waited for where it started), and the parameters'
+    indices in the order their gradients were ready."""
+    ready_at = run.ready_at[step]
+    ready = sorted(ready_at, key=lambda i: ready_at[i][0])
+    syncs = [Sync(c.nbytes, c.started_at[0], None if c.waited_at is None else c.waited_at[0])
+             for c in run.calls[step] if c.name == "all_reduce"]
+    return ready, syncs
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelCosts:
+    """Seconds of one data-parallel rank's step on a modeled cluster: the forward of each layer, the backward that
+    makes each parameter's gradient, and an all-reduce of the recorded bytes times `scale` over the data group."""
+
+    forward: tuple  # by layer
+    backward: tuple  # by parameter index
+    scale: float  # modeled bytes per recorded byte
+    world_size: int
+    link: object
+    model: str
+    cluster: str
+
+    @property
+    def where(self):
+        return f"{self.model} on {self.cluster}"
+
+    def all_reduce(self, nbytes):
+        return pl.collective_seconds("all_reduce", self.world_size, nbytes * self.scale, self.link)
+
+
+def mlp_data_parallel_costs(num_layers, recorded_weight_bytes, hidden_dim=HIDDEN_DIM, rows=32768, gpu=GPU,
+                            num_devices=64, element_bytes=ELEMENT_BYTES):
+    """The course's MLP (one weight per layer) scaled up to `hidden_dim`, `rows` rows per rank in bf16, data
+    parallel over `num_devices` devices named `gpu` (utils.planner.cluster; the data group's link); each recorded
+    weight of `recorded_weight_bytes` stands for one of hidden_dim^2 bf16 values."""
+    cluster = pl.cluster(gpu, num_devices)
+    h, e = hidden_dim, element_bytes
+    forward, input_grad, weight, product = mlp_layer_seconds(h, rows, cluster, e)
+    n, link = pl.group_links(cluster, pl.Config(dp=num_devices))["dp"]
+    nodes = f"{num_devices // cluster.devices_per_node} nodes of {cluster.devices_per_node}"
+    return DataParallelCosts(forward=(forward,) * num_layers,
+                             backward=tuple(input_grad + weight - product * (j == 0) for j in range(num_layers)),
+                             scale=h * h * e / recorded_weight_bytes, world_size=n, link=link,
+                             model=f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a rank, bf16",
+                             cluster=f"{num_devices} {gpu} in {nodes} "
+                                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+
+
+def data_parallel_program(ready, syncs, costs):
+    """A rank's step as stream_replay's program: each layer's forward, then the backward gradient by gradient in
+    the recorded order, each all-reduce started and waited for where it was recorded (after so many gradients
+    were ready), the ones never waited for at the end (the optimizer needs them)."""
+    program = [("compute", f"F{j}", f) for j, f in enumerate(costs.forward)]
+    for k in range(len(ready) + 1):
+        if k:
+            program.append(("compute", f"B{ready[k - 1]}", costs.backward[ready[k - 1]]))
+        program += [("start", f"AR{j}", costs.all_reduce(s.nbytes)) for j, s in enumerate(syncs)
+                    if s.started_after == k]
+        program += [("wait", f"AR{j}") for j, s in enumerate(syncs) if s.waited_after == k]
+    return program + [("wait", f"AR{j}") for j, s in enumerate(syncs) if s.waited_after is None]
+
+
+def data_parallel_replay(ready, syncs, costs, after_backward=False):
+    """The recorded step on the modeled clock; `after_backward`: the same all-reduces, all started after the
+    backward and waited for at the end (no overlap)."""
+    if after_backward:
+        syncs = [Sync(s.nbytes, len(ready), len(ready)) for s in syncs]
+    return stream_replay(data_parallel_program(ready, syncs, costs))
