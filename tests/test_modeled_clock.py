@@ -1,5 +1,8 @@
 """The modeled clock (utils/modeled_clock.py): the slots with equal costs, a wrong order's timeline, the planner's
 step time with the planner's costs. Pure Python, no ranks."""
+import dataclasses
+import types
+
 import pytest
 import torch
 
@@ -245,3 +248,98 @@ def test_the_mlp_data_parallel_costs_are_the_planners():
     assert costs.forward[0] > pl.matmul_seconds(rows, h, h, cluster)  # the product, and GELU
     assert costs.backward[0] < costs.backward[1]  # the first layer computes no input gradient
     assert "64 H100 SXM in 8 nodes of 8 (InfiniBand)" in costs.where
+
+
+# ---------------------------------------------------------------- FSDP's prefetch (notebook 05)
+
+FSDP_HAND = mc.FSDPCosts(forward=2.0, backward=4.0, gather=1.0, reduce=1.0, output=(3.0, 5.0), model="by hand",
+                         cluster="anywhere")
+
+
+def test_fsdp_with_prefetch_exposes_the_first_gather_and_the_last_reduce_scatter():
+    """L = 2, F 2, B 4, gather 1, reduce-scatter 1, output 3 + 5: forward AG0 0-1, AG1 1-2, F0 1-3, F1 3-5, out
+    5-13 (AG1' 5-6 beside it); backward AG0' 13-14, B1 13-17, RS1 17-18, B0 17-21, RS0 21-22."""
+    clock = mc.stream_replay(mc.fsdp_program(2, FSDP_HAND))
+    assert [(label, s, e) for label, s, e in clock.compute] == [
+        ("F0", 1, 3), ("F1", 3, 5), ("out F", 5, 8), ("out B", 8, 13), ("B1", 13, 17), ("B0", 17, 21)]
+    assert clock.step == 22 and clock.exposed == FSDP_HAND.gather + FSDP_HAND.reduce
+    assert (clock.waited("AG"), clock.waited("RS")) == (FSDP_HAND.gather, FSDP_HAND.reduce)
+
+
+def test_fsdp_without_prefetch_exposes_every_gather_and_queues_them_behind_the_reduce_scatters():
+    L, c = 3, FSDP_HAND
+    clock = mc.stream_replay(mc.fsdp_program(L, c, prefetch=False))
+    # forward: each gather exposed; backward: each gather waits behind the previous layer's reduce-scatter
+    assert clock.exposed == pytest.approx(L * c.gather + L * (c.gather + c.reduce))
+
+
+def test_fsdp_on_a_busy_link_is_link_bound():
+    c = dataclasses.replace(FSDP_HAND, gather=3.0)  # longer than a layer's forward
+    L = 4
+    clock = mc.stream_replay(mc.fsdp_program(L, c))
+    forward_end = next(e for label, _, e in clock.compute if label == f"F{L - 1}")
+    assert forward_end == L * c.gather + c.forward  # the forward waits on the link: g + (L-1)(g - F) exposed
+
+
+# The planner charges a dense model, per layer's gather and reduce-scatter, the latency of an experts' collective
+# of no bytes ((n-1) alpha: step.py's dp_layer tests `expert_n > 1`, not whether there are expert parameters):
+# 2-4% of a link-bound step. With that term gone every layout here agrees within 0.5%; it is left to the lead, as
+# the planner's published-run validation was calibrated with it (3 of its tests move).
+EMPTY_EXPERTS = pytest.mark.xfail(strict=True, reason="the planner's empty experts' collective on a dense model")
+
+
+@pytest.mark.parametrize("devices, micro_batch_size", [(8, 1), (16, 1), (64, 4),
+                                                       pytest.param(64, 1, marks=EMPTY_EXPERTS),
+                                                       pytest.param(128, 1, marks=EMPTY_EXPERTS)])
+def test_the_replay_of_an_fsdp_layout_equals_the_planners_step(devices, micro_batch_size):
+    """One model, two uses: the planner's step time of an FSDP layout (one micro-batch a step, prefetch on), its
+    optimizer aside (it runs after both), and the replay of FSDP2's order with the planner's costs, within 2%."""
+    cluster = pl.cluster("H100 SXM", devices)
+    config = pl.Config(dp=devices, zero_stage=3, micro_batch_size=micro_batch_size)
+    planned = pl.step_seconds(LLAMA_70B, cluster, config, devices * micro_batch_size)
+    clock = mc.stream_replay(mc.fsdp_program(LLAMA_70B.num_layers, mc.fsdp_costs(LLAMA_70B, cluster, config)))
+    assert clock.step == pytest.approx(planned["step"] - planned["optimizer"], rel=0.02)
+    assert clock.exposed == pytest.approx(planned["dp"], rel=0.25, abs=1e-3)
+
+
+def test_fsdp_costs_refuse_what_the_replay_does_not_play():
+    with pytest.raises(ValueError, match="zero_stage 3"):
+        mc.fsdp_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(dp=8, zero_stage=1))
+
+
+def fsdp_record(num_layers, cap, blocking_reduce=True):
+    """A utils.fsdp.Run's step 1 as the notebook's FSDP records it: at each ask, the unit's gather (unless
+    prefetched) and up to `cap` more started, the unit's gather waited for; in backward, the reduce-scatter after."""
+    from utils.fsdp import Moment, Use
+    from utils.intercept import Call
+
+    calls, uses, tick, started = [], [], 10, {}
+    for phase, units in (("forward", range(num_layers)), ("backward", reversed(range(num_layers)))):
+        units = list(units)
+        started.clear()
+        tick += 1
+        for k, u in enumerate(units):
+            tick += 1
+            now = Moment(tick, 1, phase, u)
+            uses.append(Use(u, now, None))
+            for v in units[k:k + 1 + cap]:
+                if v not in started:
+                    started[v] = Call("all_gather_single", 8, False, now)
+                    calls.append(started[v])
+            started[u].waited_at = now
+            if phase == "backward":
+                calls.append(Call("reduce_scatter_single", 2, blocking_reduce, now, now if blocking_reduce else None))
+    return types.SimpleNamespace(calls=calls, uses=uses)
+
+
+def test_a_recorded_fsdp_step_replays_what_it_did():
+    L, c = 3, FSDP_HAND
+    on_demand = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=0), c))
+    # every gather and every (blocking) reduce-scatter exposed
+    assert on_demand.exposed == pytest.approx(2 * L * c.gather + L * c.reduce)
+    prefetched = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=1), c))
+    # the first gather of each phase exposed, the blocking reduce-scatters too
+    assert prefetched.exposed == pytest.approx(2 * c.gather + L * c.reduce)
+    asynchronous = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=1, blocking_reduce=False), c))
+    assert asynchronous.exposed < prefetched.exposed
+    assert [label for label, _, _ in prefetched.compute] == ["F0", "F1", "F2", "out F", "out B", "B2", "B1", "B0"]

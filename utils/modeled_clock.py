@@ -257,6 +257,7 @@ class StreamClock:
     compute: list  # (label, start, end), modeled seconds
     communication: list  # (label, start, end)
     step: float  # from the first computation's start to the last computation's or collective's end
+    waits: list = dataclasses.field(default_factory=list)  # (label, start, end): the rank held by a collective
 
     @property
     def busy(self):
@@ -271,6 +272,10 @@ class StreamClock:
     def communicating(self):
         return sum(end - start for _, start, end in self.communication)
 
+    def waited(self, prefix):
+        """Seconds the rank was held waiting for the collectives whose labels start with `prefix`."""
+        return sum(end - start for label, start, end in self.waits if label.startswith(prefix))
+
 
 def stream_replay(program):
     """Replay one rank's `program`, in order: ("compute", label, seconds) runs on the rank; ("start", label,
@@ -278,7 +283,7 @@ def stream_replay(program):
     after those started before it); ("wait", label) holds the rank until that collective has ended (a blocking
     collective is a start then its wait). Returns a StreamClock."""
     now = free = 0.0
-    ends, compute, communication = {}, [], []
+    ends, compute, communication, waits = {}, [], [], []
     for op in program:
         if op[0] == "compute":
             compute.append((op[1], now, now + op[2]))
@@ -290,10 +295,12 @@ def stream_replay(program):
         elif op[0] == "wait":
             if op[1] not in ends:
                 raise ValueError(f"waits for {op[1]!r} before starting it")
+            if ends[op[1]] > now:
+                waits.append((op[1], now, ends[op[1]]))
             now = max(now, ends[op[1]])
         else:
             raise ValueError(f"an operation is compute, start or wait, got {op[0]!r}")
-    return StreamClock(compute, communication, max([now, free]))
+    return StreamClock(compute, communication, max([now, free]), waits)
 
 
 # ---------------------------------------------------------------- data parallel's overlap (notebook 02)
@@ -378,3 +385,89 @@ def data_parallel_replay(ready, syncs, costs, after_backward=False):
     if after_backward:
         syncs = [Sync(s.nbytes, len(ready), len(ready)) for s in syncs]
     return stream_replay(data_parallel_program(ready, syncs, costs))
+
+
+# ---------------------------------------------------------------- FSDP's prefetch (notebook 05)
+
+@dataclasses.dataclass(frozen=True)
+class FSDPCosts:
+    """Seconds of one FSDP (ZeRO-3) rank's step on a modeled cluster, per micro-batch: each layer's forward and
+    backward (B + W), the all-gather of one layer's weights and the reduce-scatter of its gradients over the data
+    group, the output layer's forward and backward (the planner's: utils/planner/step.py)."""
+
+    forward: float
+    backward: float
+    gather: float
+    reduce: float
+    output: tuple  # (forward, backward)
+    model: str
+    cluster: str
+
+    @property
+    def where(self):
+        return f"{self.model} on {self.cluster}"
+
+
+def fsdp_costs(model, cluster, config):
+    """The planner's costs of an FSDP layout (zero_stage 3 over dp, tp = pp = cp = ep = 1, no recomputation):
+    layer_times, output_layer_seconds, and each layer's weights gathered (param_bytes a parameter) and its
+    gradients reduce-scattered (grad_bytes) through collective_seconds on the data group's link."""
+    c = config
+    if (c.tp, c.pp, c.cp, c.ep, c.zero_stage) != (1, 1, 1, 1, 3) or c.recompute != "none":
+        raise ValueError(f"fsdp_costs replays FSDP alone: zero_stage 3, tp, pp, cp, ep 1, recompute 'none'; got "
+                         f"zero_stage={c.zero_stage} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep} recompute={c.recompute!r}")
+    lt = pl.layer_times(model, cluster, c)
+    n, link = pl.group_links(cluster, c)["dp"]
+    gather, reduce = (pl.collective_seconds(op, n, model.layer_dense_params * nbytes, link)
+                      for op, nbytes in (("all_gather", model.param_bytes), ("reduce_scatter", model.grad_bytes)))
+    nodes = "one node" if n <= cluster.devices_per_node else f"{n // cluster.devices_per_node} nodes"
+    return FSDPCosts(lt.forward, lt.input_grad + lt.weight_grad, gather, reduce,
+                     pl.output_layer_seconds(model, cluster, c), f"{model.name}, FSDP over {n}, {c.micro_batch_size} "
+                     f"sequence(s) of {model.seq_len} a rank", f"{cluster.num_devices} {cluster.gpu} in {nodes} "
+                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+
+
+def fsdp_program(num_layers, costs, prefetch=True):
+    """A rank's FSDP step as FSDP2 runs it, as stream_replay's program: forward, each layer's weights gathered
+    (with `prefetch`, the next layer's started before this one's compute), the output layer, then backward in
+    reverse, each layer gathered again (with `prefetch`, the first one beside the output layer's backward, the
+    next one before this one's compute) and its gradients reduce-scattered asynchronously after its compute, all
+    waited for at the end."""
+    L, program = num_layers, []
+    for u in range(L):
+        program += [("start", f"AG{v}", costs.gather) for v in ((u, u + 1) if prefetch and u == 0 else
+                                                               (u + 1,) if prefetch else (u,)) if v < L]
+        program += [("wait", f"AG{u}"), ("compute", f"F{u}", costs.forward)]
+    program.append(("compute", "out F", costs.output[0]))
+    if prefetch:
+        program.append(("start", f"AG{L - 1}'", costs.gather))
+    program.append(("compute", "out B", costs.output[1]))
+    for u in reversed(range(L)):
+        program += [("start", f"AG{v}'", costs.gather) for v in ((u - 1,) if prefetch else (u,)) if v >= 0]
+        program += [("wait", f"AG{u}'"), ("compute", f"B{u}", costs.backward), ("start", f"RS{u}", costs.reduce)]
+    return program + [("wait", f"RS{u}") for u in range(L)]
+
+
+def recorded_fsdp_program(run, costs, step=1):
+    """A rank's recorded FSDP step (a utils.fsdp.Run: its collectives stamped with the Moment they started and were
+    waited for, and each unit a layer asked for) as stream_replay's program: at each ask, the all-gathers started
+    then and the waits done then, the unit's computation (its forward or backward, one layer of `costs` a unit),
+    then the reduce-scatters started then (and waited for then, if they block); the output layer between forward
+    and backward; what is never waited for, at the end."""
+    calls = [c for c in run.calls if c.started_at.step == step]
+    label = {id(c): f"{'RS' if c.name.startswith('reduce_scatter') else 'AG'}{k}" for k, c in enumerate(calls)}
+    gathers = [c for c in calls if c.name.startswith("all_gather")]
+    reduces = [c for c in calls if c.name.startswith("reduce_scatter")]
+    program, backward = [], False
+    for use in [u for u in run.uses if u.asked.step == step]:
+        t = use.asked.tick
+        if use.asked.phase == "backward" and not backward:
+            program += [("compute", "out F", costs.output[0]), ("compute", "out B", costs.output[1])]
+            backward = True
+        program += [("start", label[id(c)], costs.gather) for c in gathers if c.started_at.tick == t]
+        program += [("wait", label[id(c)]) for c in gathers if c.waited_at is not None and c.waited_at.tick == t]
+        program.append(("compute", f"{'B' if backward else 'F'}{use.unit}", costs.backward if backward else
+                        costs.forward))
+        program += [("start", label[id(c)], costs.reduce) for c in reduces if c.started_at.tick == t]
+        program += [("wait", label[id(c)]) for c in reduces if c.waited_at is not None and c.waited_at.tick == t]
+    return program + [("wait", label[id(c)]) for c in calls if c.waited_at is None or c.waited_at.step != step]
