@@ -142,8 +142,26 @@ def test_the_replay_of_a_layout_equals_the_planners_step(schedule, v):
 
 
 def test_planner_costs_refuse_what_the_replay_does_not_play():
-    with pytest.raises(ValueError, match="pure pipeline.*tp=2"):
-        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, tp=2))
+    with pytest.raises(ValueError, match="tensor parallel.*cp=2"):
+        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, cp=2))
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, dp=2, zero_stage=3))
+
+
+@pytest.mark.parametrize("devices, dp, pp, tp, m", [(16, 1, 2, 8, 2), (64, 4, 2, 8, 2), (64, 2, 4, 8, 8),
+                                                    (8, 2, 2, 2, 4)])
+def test_the_replay_of_a_3d_layout_equals_the_planners_step(devices, dp, pp, tp, m):
+    """Notebook 12's 3-D step: 1F1B over pp stages, tensor parallel inside each, the data axis's sync once per step
+    after the pipeline; the replay plus the planner's data term against the planner's step, within 2%."""
+    cluster, config = pl.cluster("H100 SXM", devices), pl.Config(dp=dp, pp=pp, tp=tp)
+    seconds = pl.step_seconds(LLAMA_70B, cluster, config, dp * m)
+    clock = mc.replay([pp_order(r, pp, m) for r in range(pp)], mc.planner_costs(LLAMA_70B, cluster, config))
+    modeled = clock.step + mc.data_parallel_seconds(LLAMA_70B, cluster, config, dp * m)
+    assert modeled == pytest.approx(seconds["step"] - seconds["optimizer"], rel=0.02)
+
+
+def pp_order(stage, p, m):
+    return pp.one_f_one_b_order(stage, p, m)
 
 
 def zigzag(seq_len, n):

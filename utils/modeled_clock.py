@@ -86,24 +86,39 @@ def mlp_layer_seconds(hidden_dim, rows, cluster, element_bytes=ELEMENT_BYTES):
 
 
 def planner_costs(model, cluster, config):
-    """The planner's F, B and W per micro-batch (utils/planner/step.py), piece by piece, for a pure pipeline
-    (tp = cp = dp = 1, no recomputation): each piece's layers (stage_layer_counts), the output layer and its loss
-    on the last piece (its backward half B, half W, as the planner splits it), one hand-off of the micro-batch's
-    activations on the pipeline group's link."""
+    """The planner's F, B and W per micro-batch (utils/planner/step.py), piece by piece, for a pipeline with tensor
+    (and sequence) parallel inside each stage (cp = ep = 1, no recomputation): each piece's layers
+    (stage_layer_counts), each layer's exposed tensor-parallel collectives as step.py counts them (per pass, an
+    all-gather and a reduce-scatter of the micro-batch's activations per column/row pair, 2 pairs a layer, on F and
+    on B), the output layer and its loss on the last piece (its backward half B, half W, as the planner splits it),
+    one hand-off of the micro-batch's activations (1/tp of them) on the pipeline group's link. The data axis (dp,
+    ZeRO-0 or 1) syncs once per step, after the pipeline: not a piece's cost (data_parallel_seconds)."""
     c = config
-    if (c.tp, c.cp, c.dp, c.ep) != (1, 1, 1, 1) or c.recompute != "none":
-        raise ValueError(f"planner_costs replays a pure pipeline: tp, cp, dp, ep must be 1 and recompute 'none', "
-                         f"got tp={c.tp} cp={c.cp} dp={c.dp} ep={c.ep} recompute={c.recompute!r}")
+    if (c.cp, c.ep) != (1, 1) or c.recompute != "none" or c.zero_stage > 1 or c.tp_overlap:
+        raise ValueError(f"planner_costs replays a pipeline with tensor parallel: cp, ep must be 1, recompute "
+                         f"'none', zero_stage 0 or 1, no tp_overlap; got cp={c.cp} ep={c.ep} "
+                         f"recompute={c.recompute!r} zero_stage={c.zero_stage} tp_overlap={c.tp_overlap}")
     lt = pl.layer_times(model, cluster, c)
     out_f, out_b = pl.output_layer_seconds(model, cluster, c)
     counts = pl.stage_layer_counts(model.num_layers, c.pp * c.v)
     last = [j == len(counts) - 1 for j in range(len(counts))]
     activations = c.micro_batch_size * model.seq_len * model.dim * model.activation_bytes
-    return Costs(forward=tuple(n * lt.forward + out_f * end for n, end in zip(counts, last)),
-                 input_grad=tuple(n * lt.input_grad + out_b / 2 * end for n, end in zip(counts, last)),
+    links = pl.group_links(cluster, c)
+    tp_link = links["tp"][1]
+    tp = 2 * sum(pl.collective_seconds(op, c.tp, activations, tp_link) for op in ("all_gather", "reduce_scatter"))
+    shape = f", tp={c.tp}" * (c.tp > 1) + f", dp={c.dp}" * (c.dp > 1)
+    return Costs(forward=tuple(n * (lt.forward + tp) + out_f * end for n, end in zip(counts, last)),
+                 input_grad=tuple(n * (lt.input_grad + tp) + out_b / 2 * end for n, end in zip(counts, last)),
                  weight_grad=tuple(n * lt.weight_grad + out_b / 2 * end for n, end in zip(counts, last)),
-                 hand_off=pl.message_seconds(activations, pl.group_links(cluster, c)["pp"][1]),
-                 model=f"{model.name}, pp={c.pp}, v={c.v}", cluster=f"{cluster.num_devices} {cluster.gpu}")
+                 hand_off=pl.message_seconds(activations / c.tp, links["pp"][1]),
+                 model=f"{model.name}, pp={c.pp}, v={c.v}{shape}", cluster=f"{cluster.num_devices} {cluster.gpu}")
+
+
+def data_parallel_seconds(model, cluster, config, global_batch):
+    """The data axis's exposed seconds of a step, once per step (ZeRO-0/1: the gradients' all-reduce or
+    reduce-scatter beside the last micro-batch's backward, ZeRO-1's gather of the updated weights): the planner's
+    own term (step_seconds' dp), which the replay of the pipeline adds after it."""
+    return pl.step_seconds(model, cluster, config, global_batch)["dp"]
 
 
 def recorded_costs(records, hand_offs, model="the recorded computations", cluster="the measured link",
