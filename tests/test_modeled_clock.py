@@ -253,6 +253,20 @@ def test_waiting_in_the_hook_or_one_bucket_give_other_timelines():
     assert [e for _, _, e in in_the_hook.compute] != [e for _, _, e in overlapped.compute]  # the backward held
 
 
+def test_recorded_syncs_read_a_data_parallel_runs_clock():
+    """utils.data_parallel's clock reads (gradients ready, phase): the order the gradients were ready in, and each
+    all-reduce's bytes, when it started and was waited for (a blocking one where it started)."""
+    from utils.data_parallel import BACKWARD, FINISH
+    from utils.intercept import Call
+
+    ready_at = {2: (1, BACKWARD), 0: (3, BACKWARD), 1: (2, BACKWARD)}
+    calls = [Call("all_reduce", 16, False, (1, BACKWARD), (3, FINISH)), Call("broadcast", 8, True, (1, BACKWARD)),
+             Call("all_reduce", 32, True, (3, BACKWARD), (3, BACKWARD)), Call("all_reduce", 8, False, (3, FINISH))]
+    ready, syncs = mc.recorded_syncs(types.SimpleNamespace(ready_at=[ready_at], calls=[calls]))
+    assert ready == [2, 1, 0]
+    assert syncs == [mc.Sync(16, 1, 3), mc.Sync(32, 3, 3), mc.Sync(8, 3, None)]
+
+
 def test_a_wait_before_its_start_is_a_clear_error():
     with pytest.raises(ValueError, match="waits for 'x' before starting it"):
         mc.stream_replay([("compute", "F", 1.0), ("wait", "x")])
