@@ -16,8 +16,15 @@ and the clock is `utils.pipeline.play`, the player `idle_slots` uses. Two cost m
   backward and the input's gradient dz W (none on the model's first layer: the data needs no gradient); W = the
   weights' gradient dz^T x. F, B and W multiply as many FLOPs; B also moves GELU's backward through memory, so
   B > F > W by a few percent.
-- `planner_costs`: the planner's transformer, its per-stage F, B and W (step.py) piece by piece: the replay of a
-  layout's table and the planner's step time are one model used twice (tests/test_modeled_clock.py).
+- `planner_costs`: the planner's transformer, its per-stage F, B and W (step.py) piece by piece, tensor parallel
+  inside the stages (notebook 12's 3-D step): the replay of a layout's table and the planner's step time are one
+  model used twice (tests/test_modeled_clock.py).
+
+A rank whose collectives overlap its computations (notebooks 02 and 05) is replayed on two streams
+(`stream_replay`): its computations in the order it ran them, and its collectives one at a time on the link, each
+started and waited for where the rank did (the communication log's clock readings): `data_parallel_replay` for the
+all-reduces of 02's syncs, `recorded_fsdp_program` for 05's gathers and reduce-scatters, `fsdp_program` for FSDP2's
+order of a planner layout (its step time is the planner's, tests/test_modeled_clock.py).
 """
 import dataclasses
 import statistics
@@ -105,7 +112,8 @@ def planner_costs(model, cluster, config):
     activations = c.micro_batch_size * model.seq_len * model.dim * model.activation_bytes
     links = pl.group_links(cluster, c)
     tp_link = links["tp"][1]
-    tp = 2 * sum(pl.collective_seconds(op, c.tp, activations, tp_link) for op in ("all_gather", "reduce_scatter"))
+    pairs = 1 if model.moe else 2  # column/row pairs a layer: attention's, and the MLP's (a MoE's experts: none)
+    tp = pairs * sum(pl.collective_seconds(op, c.tp, activations, tp_link) for op in ("all_gather", "reduce_scatter"))
     shape = f", tp={c.tp}" * (c.tp > 1) + f", dp={c.dp}" * (c.dp > 1)
     return Costs(forward=tuple(n * (lt.forward + tp) + out_f * end for n, end in zip(counts, last)),
                  input_grad=tuple(n * (lt.input_grad + tp) + out_b / 2 * end for n, end in zip(counts, last)),
