@@ -1,5 +1,8 @@
 """The modeled clock (utils/modeled_clock.py): the slots with equal costs, a wrong order's timeline, the planner's
 step time with the planner's costs. Pure Python, no ranks."""
+import dataclasses
+import types
+
 import pytest
 import torch
 
@@ -139,8 +142,26 @@ def test_the_replay_of_a_layout_equals_the_planners_step(schedule, v):
 
 
 def test_planner_costs_refuse_what_the_replay_does_not_play():
-    with pytest.raises(ValueError, match="pure pipeline.*tp=2"):
-        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, tp=2))
+    with pytest.raises(ValueError, match="tensor parallel.*cp=2"):
+        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, cp=2))
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        mc.planner_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(pp=4, dp=2, zero_stage=3))
+
+
+@pytest.mark.parametrize("devices, dp, pp, tp, m", [(16, 1, 2, 8, 2), (64, 4, 2, 8, 2), (64, 2, 4, 8, 8),
+                                                    (8, 2, 2, 2, 4)])
+def test_the_replay_of_a_3d_layout_equals_the_planners_step(devices, dp, pp, tp, m):
+    """Notebook 12's 3-D step: 1F1B over pp stages, tensor parallel inside each, the data axis's sync once per step
+    after the pipeline; the replay plus the planner's data term against the planner's step, within 2%."""
+    cluster, config = pl.cluster("H100 SXM", devices), pl.Config(dp=dp, pp=pp, tp=tp)
+    seconds = pl.step_seconds(LLAMA_70B, cluster, config, dp * m)
+    clock = mc.replay([pp_order(r, pp, m) for r in range(pp)], mc.planner_costs(LLAMA_70B, cluster, config))
+    modeled = clock.step + mc.data_parallel_seconds(LLAMA_70B, cluster, config, dp * m)
+    assert modeled == pytest.approx(seconds["step"] - seconds["optimizer"], rel=0.02)
+
+
+def pp_order(stage, p, m):
+    return pp.one_f_one_b_order(stage, p, m)
 
 
 def zigzag(seq_len, n):
@@ -167,3 +188,190 @@ def test_a_ring_with_nothing_to_compute_waits_for_its_hand_offs():
     clock = mc.ring_replay([[0.0] * 3 for _ in range(3)], 2.0)
     assert clock.step == 4.0 and clock.idle == [1.0, 1.0, 1.0]
     assert mc.ring_replay([[1.0, 5.0], [1.0, 1.0]], 0.5).step == 6.0  # the ring ends with its slowest rank
+
+
+# ---------------------------------------------------------------- two streams: data parallel's overlap (notebook 02)
+
+def hand_costs(forward=(1.0, 1.0, 1.0), backward=(2.0, 3.0, 3.0), seconds_per_byte=1.0):
+    """Costs by hand: an all-reduce of S recorded bytes takes S seconds (no alpha) on an intra-node link."""
+    link = pl.Link(alpha=0.0, beta=1.0)
+    # a world of 2: a ring all-reduce moves 2 (N-1)/N S = S bytes
+    return mc.DataParallelCosts(tuple(forward), tuple(backward), seconds_per_byte, 2, link, "by hand", "anywhere")
+
+
+READY = [2, 1, 0]  # the MLP's gradients, last layer first
+
+
+def test_a_synthetic_record_replays_to_hand_computed_times():
+    """Forward 3 s; gradients ready at 6, 9, 11; all-reduces of 2 s each, started as each is ready, waited for at
+    the end: the link runs 6-8, 9-11, 11-13; the step ends at 13, 2 s exposed."""
+    syncs = [mc.Sync(2, k + 1, 3) for k in range(3)]
+    clock = mc.data_parallel_replay(READY, syncs, hand_costs())
+    assert [(s, e) for _, s, e in clock.communication] == [(6, 8), (9, 11), (11, 13)]
+    assert [label for label, _, _ in clock.compute] == ["F0", "F1", "F2", "B2", "B1", "B0"]
+    assert (clock.step, clock.busy, clock.exposed) == (13, 11, 2)
+
+
+def test_a_busy_link_queues_the_all_reduces_in_the_order_they_started():
+    syncs = [mc.Sync(4, 1, 3), mc.Sync(1, 2, 3), mc.Sync(1, 3, 3)]
+    clock = mc.data_parallel_replay(READY, syncs, hand_costs())
+    assert [(s, e) for _, s, e in clock.communication] == [(6, 10), (10, 11), (11, 12)]
+    assert clock.step == 12
+
+
+@pytest.mark.parametrize("syncs", [[mc.Sync(2, k + 1, 3) for k in range(3)], [mc.Sync(4, 2, 3), mc.Sync(2, 3, 3)],
+                                   [mc.Sync(6, 3, None)]])
+def test_no_overlap_is_compute_plus_communication(syncs):
+    costs = hand_costs()
+    clock = mc.data_parallel_replay(READY, syncs, costs, after_backward=True)
+    compute = sum(costs.forward) + sum(costs.backward)
+    assert clock.step == pytest.approx(compute + sum(costs.all_reduce(s.nbytes) for s in syncs))
+    assert clock.exposed == pytest.approx(clock.communicating)
+
+
+@pytest.mark.parametrize("backward", [(2.0, 3.0, 3.0), (0.5, 0.5, 0.5), (9.0, 9.0, 9.0)])
+def test_full_overlap_is_bounded_below_by_the_last_buckets_all_reduce(backward):
+    """Each gradient's all-reduce started as it is ready: the step is at least the backward plus the last one
+    (its gradient is the last ready), and at least the forward plus everything the link carries; with a backward
+    longer than each all-reduce it is exactly the first bound."""
+    costs, syncs = hand_costs(backward=backward), [mc.Sync(2, k + 1, 3) for k in range(3)]
+    clock = mc.data_parallel_replay(READY, syncs, costs)
+    compute = sum(costs.forward) + sum(backward)
+    last = costs.all_reduce(syncs[-1].nbytes)
+    assert clock.step == pytest.approx(max(compute + last, sum(costs.forward) + backward[2] + 3 * last))
+    assert clock.step >= compute + last
+    if min(backward) >= last:
+        assert clock.exposed == pytest.approx(last)
+
+
+def test_waiting_in_the_hook_or_one_bucket_give_other_timelines():
+    costs = hand_costs()
+    overlapped = mc.data_parallel_replay(READY, [mc.Sync(2, k + 1, 3) for k in range(3)], costs)
+    in_the_hook = mc.data_parallel_replay(READY, [mc.Sync(2, k + 1, k + 1) for k in range(3)], costs)
+    one_bucket = mc.data_parallel_replay(READY, [mc.Sync(6, 3, 3)], costs)
+    assert overlapped.step < one_bucket.step == in_the_hook.step == 11 + 6
+    assert [e for _, _, e in in_the_hook.compute] != [e for _, _, e in overlapped.compute]  # the backward held
+
+
+def test_recorded_syncs_read_a_data_parallel_runs_clock():
+    """utils.data_parallel's clock reads (gradients ready, phase): the order the gradients were ready in, and each
+    all-reduce's bytes, when it started and was waited for (a blocking one where it started)."""
+    from utils.data_parallel import BACKWARD, FINISH
+    from utils.intercept import Call
+
+    ready_at = {2: (1, BACKWARD), 0: (3, BACKWARD), 1: (2, BACKWARD)}
+    calls = [Call("all_reduce", 16, False, (1, BACKWARD), (3, FINISH)), Call("broadcast", 8, True, (1, BACKWARD)),
+             Call("all_reduce", 32, True, (3, BACKWARD), (3, BACKWARD)), Call("all_reduce", 8, False, (3, FINISH))]
+    ready, syncs = mc.recorded_syncs(types.SimpleNamespace(ready_at=[ready_at], calls=[calls]))
+    assert ready == [2, 1, 0]
+    assert syncs == [mc.Sync(16, 1, 3), mc.Sync(32, 3, 3), mc.Sync(8, 3, None)]
+
+
+def test_a_wait_before_its_start_is_a_clear_error():
+    with pytest.raises(ValueError, match="waits for 'x' before starting it"):
+        mc.stream_replay([("compute", "F", 1.0), ("wait", "x")])
+
+
+def test_the_mlp_data_parallel_costs_are_the_planners():
+    costs = mc.mlp_data_parallel_costs(4, recorded_weight_bytes=16 * 16 * 8)
+    cluster = pl.cluster("H100 SXM", 64)
+    h, rows = 8192, 32768
+    assert costs.all_reduce(16 * 16 * 8) == pl.collective_seconds("all_reduce", 64, h * h * 2, cluster.inter)
+    assert costs.forward[0] > pl.matmul_seconds(rows, h, h, cluster)  # the product, and GELU
+    assert costs.backward[0] < costs.backward[1]  # the first layer computes no input gradient
+    assert "64 H100 SXM in 8 nodes of 8 (InfiniBand)" in costs.where
+
+
+# ---------------------------------------------------------------- FSDP's prefetch (notebook 05)
+
+FSDP_HAND = mc.FSDPCosts(forward=2.0, backward=4.0, gather=1.0, reduce=1.0, output=(3.0, 5.0), model="by hand",
+                         cluster="anywhere")
+
+
+def test_fsdp_with_prefetch_exposes_the_first_gather_and_the_last_reduce_scatter():
+    """L = 2, F 2, B 4, gather 1, reduce-scatter 1, output 3 + 5: forward AG0 0-1, AG1 1-2, F0 1-3, F1 3-5, out
+    5-13 (AG1' 5-6 beside it); backward AG0' 13-14, B1 13-17, RS1 17-18, B0 17-21, RS0 21-22."""
+    clock = mc.stream_replay(mc.fsdp_program(2, FSDP_HAND))
+    assert [(label, s, e) for label, s, e in clock.compute] == [
+        ("F0", 1, 3), ("F1", 3, 5), ("out F", 5, 8), ("out B", 8, 13), ("B1", 13, 17), ("B0", 17, 21)]
+    assert clock.step == 22 and clock.exposed == FSDP_HAND.gather + FSDP_HAND.reduce
+    assert (clock.waited("AG"), clock.waited("RS")) == (FSDP_HAND.gather, FSDP_HAND.reduce)
+
+
+def test_fsdp_without_prefetch_exposes_every_gather_and_queues_them_behind_the_reduce_scatters():
+    L, c = 3, FSDP_HAND
+    clock = mc.stream_replay(mc.fsdp_program(L, c, prefetch=False))
+    # forward: each gather exposed; backward: each gather waits behind the previous layer's reduce-scatter
+    assert clock.exposed == pytest.approx(L * c.gather + L * (c.gather + c.reduce))
+
+
+def test_fsdp_on_a_busy_link_is_link_bound():
+    c = dataclasses.replace(FSDP_HAND, gather=3.0)  # longer than a layer's forward
+    L = 4
+    clock = mc.stream_replay(mc.fsdp_program(L, c))
+    forward_end = next(e for label, _, e in clock.compute if label == f"F{L - 1}")
+    assert forward_end == L * c.gather + c.forward  # the forward waits on the link: g + (L-1)(g - F) exposed
+
+
+# The planner charges a dense model, per layer's gather and reduce-scatter, the latency of an experts' collective
+# of no bytes ((n-1) alpha: step.py's dp_layer tests `expert_n > 1`, not whether there are expert parameters):
+# 2-4% of a link-bound step. With that term gone every layout here agrees within 0.5%; it is left to the lead, as
+# the planner's published-run validation was calibrated with it (3 of its tests move).
+EMPTY_EXPERTS = pytest.mark.xfail(strict=True, reason="the planner's empty experts' collective on a dense model")
+
+
+@pytest.mark.parametrize("devices, micro_batch_size", [(8, 1), (16, 1), (64, 4),
+                                                       pytest.param(64, 1, marks=EMPTY_EXPERTS),
+                                                       pytest.param(128, 1, marks=EMPTY_EXPERTS)])
+def test_the_replay_of_an_fsdp_layout_equals_the_planners_step(devices, micro_batch_size):
+    """One model, two uses: the planner's step time of an FSDP layout (one micro-batch a step, prefetch on), its
+    optimizer aside (it runs after both), and the replay of FSDP2's order with the planner's costs, within 2%."""
+    cluster = pl.cluster("H100 SXM", devices)
+    config = pl.Config(dp=devices, zero_stage=3, micro_batch_size=micro_batch_size)
+    planned = pl.step_seconds(LLAMA_70B, cluster, config, devices * micro_batch_size)
+    clock = mc.stream_replay(mc.fsdp_program(LLAMA_70B.num_layers, mc.fsdp_costs(LLAMA_70B, cluster, config)))
+    assert clock.step == pytest.approx(planned["step"] - planned["optimizer"], rel=0.02)
+    assert clock.exposed == pytest.approx(planned["dp"], rel=0.25, abs=1e-3)
+
+
+def test_fsdp_costs_refuse_what_the_replay_does_not_play():
+    with pytest.raises(ValueError, match="zero_stage 3"):
+        mc.fsdp_costs(LLAMA_70B, pl.cluster("H100 SXM", 8), pl.Config(dp=8, zero_stage=1))
+
+
+def fsdp_record(num_layers, cap, blocking_reduce=True):
+    """A utils.fsdp.Run's step 1 as the notebook's FSDP records it: at each ask, the unit's gather (unless
+    prefetched) and up to `cap` more started, the unit's gather waited for; in backward, the reduce-scatter after."""
+    from utils.fsdp import Moment, Use
+    from utils.intercept import Call
+
+    calls, uses, tick, started = [], [], 10, {}
+    for phase, units in (("forward", range(num_layers)), ("backward", reversed(range(num_layers)))):
+        units = list(units)
+        started.clear()
+        tick += 1
+        for k, u in enumerate(units):
+            tick += 1
+            now = Moment(tick, 1, phase, u)
+            uses.append(Use(u, now, None))
+            for v in units[k:k + 1 + cap]:
+                if v not in started:
+                    started[v] = Call("all_gather_single", 8, False, now)
+                    calls.append(started[v])
+            started[u].waited_at = now
+            if phase == "backward":
+                calls.append(Call("reduce_scatter_single", 2, blocking_reduce, now, now if blocking_reduce else None))
+    return types.SimpleNamespace(calls=calls, uses=uses)
+
+
+def test_a_recorded_fsdp_step_replays_what_it_did():
+    L, c = 3, FSDP_HAND
+    on_demand = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=0), c))
+    # every gather and every (blocking) reduce-scatter exposed
+    assert on_demand.exposed == pytest.approx(2 * L * c.gather + L * c.reduce)
+    prefetched = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=1), c))
+    # the first gather of each phase exposed, the blocking reduce-scatters too
+    assert prefetched.exposed == pytest.approx(2 * c.gather + L * c.reduce)
+    asynchronous = mc.stream_replay(mc.recorded_fsdp_program(fsdp_record(L, cap=1, blocking_reduce=False), c))
+    assert asynchronous.exposed < prefetched.exposed
+    assert [label for label, _, _ in prefetched.compute] == ["F0", "F1", "F2", "out F", "out B", "B2", "B1", "B0"]

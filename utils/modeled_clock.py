@@ -16,8 +16,15 @@ and the clock is `utils.pipeline.play`, the player `idle_slots` uses. Two cost m
   backward and the input's gradient dz W (none on the model's first layer: the data needs no gradient); W = the
   weights' gradient dz^T x. F, B and W multiply as many FLOPs; B also moves GELU's backward through memory, so
   B > F > W by a few percent.
-- `planner_costs`: the planner's transformer, its per-stage F, B and W (step.py) piece by piece: the replay of a
-  layout's table and the planner's step time are one model used twice (tests/test_modeled_clock.py).
+- `planner_costs`: the planner's transformer, its per-stage F, B and W (step.py) piece by piece, tensor parallel
+  inside the stages (notebook 12's 3-D step): the replay of a layout's table and the planner's step time are one
+  model used twice (tests/test_modeled_clock.py).
+
+A rank whose collectives overlap its computations (notebooks 02 and 05) is replayed on two streams
+(`stream_replay`): its computations in the order it ran them, and its collectives one at a time on the link, each
+started and waited for where the rank did (the communication log's clock readings): `data_parallel_replay` for the
+all-reduces of 02's syncs, `recorded_fsdp_program` for 05's gathers and reduce-scatters, `fsdp_program` for FSDP2's
+order of a planner layout (its step time is the planner's, tests/test_modeled_clock.py).
 """
 import dataclasses
 import statistics
@@ -62,39 +69,64 @@ def mlp_costs(num_pieces, hidden_dim=HIDDEN_DIM, num_layers=NUM_LAYERS, rows=ROW
     the hand-offs on the pipeline group's link."""
     cluster = pl.cluster(gpu, num_devices)
     h, e = hidden_dim, element_bytes
-    product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
-    weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
-    gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
+    forward, input_grad, weight, product = mlp_layer_seconds(h, rows, cluster, e)
     counts = [len(layers) for layers in stage_layers(num_layers, num_pieces)]
     link = pl.group_links(cluster, pl.Config(pp=num_devices))["pp"][1]  # every device a pipeline rank
     nodes = "one node" if num_devices <= cluster.devices_per_node else f"nodes of {cluster.devices_per_node}"
     where = (f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a micro-batch, bf16",
              f"{num_devices} {gpu} in {nodes} ({'NVLink' if link == cluster.intra else 'InfiniBand'})")
-    return Costs(forward=tuple(n * (product + gelu) for n in counts),
-                 input_grad=tuple(n * (product + gelu_back) - product * (j == 0) for j, n in enumerate(counts)),
+    return Costs(forward=tuple(n * forward for n in counts),
+                 input_grad=tuple(n * input_grad - product * (j == 0) for j, n in enumerate(counts)),
                  weight_grad=tuple(n * weight for n in counts),
                  hand_off=pl.message_seconds(rows * h * e, link), model=where[0], cluster=where[1])
 
 
+def mlp_layer_seconds(hidden_dim, rows, cluster, element_bytes=ELEMENT_BYTES):
+    """(F, B, W, product) of one layer of the course's MLP (Linear then GELU, no bias) on `rows` rows, on one device
+    of `cluster`: F the product x W^T and GELU; B GELU's backward and the input's gradient dz W (the model's first
+    layer has none: subtract `product`); W the weights' gradient dz^T x."""
+    h, e = hidden_dim, element_bytes
+    product = pl.matmul_seconds(rows, h, h, cluster, element_bytes=e)  # x W^T, dz W: (rows, h) x (h, h)
+    weight = pl.matmul_seconds(h, rows, h, cluster, element_bytes=e)  # dz^T x: (h, rows) x (rows, h)
+    gelu, gelu_back = (pl.memory_bound_seconds(k * rows * h * e, cluster) for k in (2, 3))  # z in, a out; g, z in, dz
+    return product + gelu, product + gelu_back, weight, product
+
+
 def planner_costs(model, cluster, config):
-    """The planner's F, B and W per micro-batch (utils/planner/step.py), piece by piece, for a pure pipeline
-    (tp = cp = dp = 1, no recomputation): each piece's layers (stage_layer_counts), the output layer and its loss
-    on the last piece (its backward half B, half W, as the planner splits it), one hand-off of the micro-batch's
-    activations on the pipeline group's link."""
+    """The planner's F, B and W per micro-batch (utils/planner/step.py), piece by piece, for a pipeline with tensor
+    (and sequence) parallel inside each stage (cp = ep = 1, no recomputation): each piece's layers
+    (stage_layer_counts), each layer's exposed tensor-parallel collectives as step.py counts them (per pass, an
+    all-gather and a reduce-scatter of the micro-batch's activations per column/row pair, 2 pairs a layer, on F and
+    on B), the output layer and its loss on the last piece (its backward half B, half W, as the planner splits it),
+    one hand-off of the micro-batch's activations (1/tp of them) on the pipeline group's link. The data axis (dp,
+    ZeRO-0 or 1) syncs once per step, after the pipeline: not a piece's cost (data_parallel_seconds)."""
     c = config
-    if (c.tp, c.cp, c.dp, c.ep) != (1, 1, 1, 1) or c.recompute != "none":
-        raise ValueError(f"planner_costs replays a pure pipeline: tp, cp, dp, ep must be 1 and recompute 'none', "
-                         f"got tp={c.tp} cp={c.cp} dp={c.dp} ep={c.ep} recompute={c.recompute!r}")
+    if (c.cp, c.ep) != (1, 1) or c.recompute != "none" or c.zero_stage > 1 or c.tp_overlap:
+        raise ValueError(f"planner_costs replays a pipeline with tensor parallel: cp, ep must be 1, recompute "
+                         f"'none', zero_stage 0 or 1, no tp_overlap; got cp={c.cp} ep={c.ep} "
+                         f"recompute={c.recompute!r} zero_stage={c.zero_stage} tp_overlap={c.tp_overlap}")
     lt = pl.layer_times(model, cluster, c)
     out_f, out_b = pl.output_layer_seconds(model, cluster, c)
     counts = pl.stage_layer_counts(model.num_layers, c.pp * c.v)
     last = [j == len(counts) - 1 for j in range(len(counts))]
     activations = c.micro_batch_size * model.seq_len * model.dim * model.activation_bytes
-    return Costs(forward=tuple(n * lt.forward + out_f * end for n, end in zip(counts, last)),
-                 input_grad=tuple(n * lt.input_grad + out_b / 2 * end for n, end in zip(counts, last)),
+    links = pl.group_links(cluster, c)
+    tp_link = links["tp"][1]
+    pairs = 1 if model.moe else 2  # column/row pairs a layer: attention's, and the MLP's (a MoE's experts: none)
+    tp = pairs * sum(pl.collective_seconds(op, c.tp, activations, tp_link) for op in ("all_gather", "reduce_scatter"))
+    shape = f", tp={c.tp}" * (c.tp > 1) + f", dp={c.dp}" * (c.dp > 1)
+    return Costs(forward=tuple(n * (lt.forward + tp) + out_f * end for n, end in zip(counts, last)),
+                 input_grad=tuple(n * (lt.input_grad + tp) + out_b / 2 * end for n, end in zip(counts, last)),
                  weight_grad=tuple(n * lt.weight_grad + out_b / 2 * end for n, end in zip(counts, last)),
-                 hand_off=pl.message_seconds(activations, pl.group_links(cluster, c)["pp"][1]),
-                 model=f"{model.name}, pp={c.pp}, v={c.v}", cluster=f"{cluster.num_devices} {cluster.gpu}")
+                 hand_off=pl.message_seconds(activations / c.tp, links["pp"][1]),
+                 model=f"{model.name}, pp={c.pp}, v={c.v}{shape}", cluster=f"{cluster.num_devices} {cluster.gpu}")
+
+
+def data_parallel_seconds(model, cluster, config, global_batch):
+    """The data axis's exposed seconds of a step, once per step (ZeRO-0/1: the gradients' all-reduce or
+    reduce-scatter beside the last micro-batch's backward, ZeRO-1's gather of the updated weights): the planner's
+    own term (step_seconds' dp), which the replay of the pipeline adds after it."""
+    return pl.step_seconds(model, cluster, config, global_batch)["dp"]
 
 
 def recorded_costs(records, hand_offs, model="the recorded computations", cluster="the measured link",
@@ -236,3 +268,229 @@ def ring_replay(seconds, hand_off):
         start = [max(computed[r], sent[r], sent[(r - 1) % n]) for r in range(n)]
     step = max(start)
     return Clock(events, sends, step, [sum(row) for row in seconds])
+
+
+# ---------------------------------------------------------------- a rank's computations and collectives (02, 05)
+
+@dataclasses.dataclass
+class StreamClock:
+    """A rank's step on two streams: its computations, and its collectives one at a time in the order it started
+    them (a GPU's compute and its network move at once)."""
+
+    compute: list  # (label, start, end), modeled seconds
+    communication: list  # (label, start, end)
+    step: float  # from the first computation's start to the last computation's or collective's end
+    waits: list = dataclasses.field(default_factory=list)  # (label, start, end): the rank held by a collective
+
+    @property
+    def busy(self):
+        return sum(end - start for _, start, end in self.compute)
+
+    @property
+    def exposed(self):
+        """The communication the computations did not hide: step - computing."""
+        return self.step - self.busy
+
+    @property
+    def communicating(self):
+        return sum(end - start for _, start, end in self.communication)
+
+    def waited(self, prefix):
+        """Seconds the rank was held waiting for the collectives whose labels start with `prefix`."""
+        return sum(end - start for label, start, end in self.waits if label.startswith(prefix))
+
+
+def stream_replay(program):
+    """Replay one rank's `program`, in order: ("compute", label, seconds) runs on the rank; ("start", label,
+    seconds) hands a collective to the communication stream (asynchronous: it starts when the stream is free,
+    after those started before it); ("wait", label) holds the rank until that collective has ended (a blocking
+    collective is a start then its wait). Returns a StreamClock."""
+    now = free = 0.0
+    ends, compute, communication, waits = {}, [], [], []
+    for op in program:
+        if op[0] == "compute":
+            compute.append((op[1], now, now + op[2]))
+            now += op[2]
+        elif op[0] == "start":
+            start = max(now, free)
+            free = ends[op[1]] = start + op[2]
+            communication.append((op[1], start, free))
+        elif op[0] == "wait":
+            if op[1] not in ends:
+                raise ValueError(f"waits for {op[1]!r} before starting it")
+            if ends[op[1]] > now:
+                waits.append((op[1], now, ends[op[1]]))
+            now = max(now, ends[op[1]])
+        else:
+            raise ValueError(f"an operation is compute, start or wait, got {op[0]!r}")
+    return StreamClock(compute, communication, max([now, free]), waits)
+
+
+# ---------------------------------------------------------------- data parallel's overlap (notebook 02)
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """One all-reduce of a data-parallel step, as recorded: its bytes, how many gradients were ready when the rank
+    started it and when it waited for it (None: never waited for in the step)."""
+
+    nbytes: int
+    started_after: int
+    waited_after: int = None
+
+
+def recorded_syncs(run, step=0):
+    """The all-reduces of one step of a utils.data_parallel.DataParallelRun, in the order they started (each call's
+    clock reads (gradients ready, phase); a blocking call is waited for where it started), and the parameters'
+    indices in the order their gradients were ready."""
+    ready_at = run.ready_at[step]
+    ready = sorted(ready_at, key=lambda i: ready_at[i][0])
+    syncs = [Sync(c.nbytes, c.started_at[0], None if c.waited_at is None else c.waited_at[0])
+             for c in run.calls[step] if c.name == "all_reduce"]
+    return ready, syncs
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelCosts:
+    """Seconds of one data-parallel rank's step on a modeled cluster: the forward of each layer, the backward that
+    makes each parameter's gradient, and an all-reduce of the recorded bytes times `scale` over the data group."""
+
+    forward: tuple  # by layer
+    backward: tuple  # by parameter index
+    scale: float  # modeled bytes per recorded byte
+    world_size: int
+    link: object
+    model: str
+    cluster: str
+
+    @property
+    def where(self):
+        return f"{self.model} on {self.cluster}"
+
+    def all_reduce(self, nbytes):
+        return pl.collective_seconds("all_reduce", self.world_size, nbytes * self.scale, self.link)
+
+
+def mlp_data_parallel_costs(num_layers, recorded_weight_bytes, hidden_dim=HIDDEN_DIM, rows=32768, gpu=GPU,
+                            num_devices=64, element_bytes=ELEMENT_BYTES):
+    """The course's MLP (one weight per layer) scaled up to `hidden_dim`, `rows` rows per rank in bf16, data
+    parallel over `num_devices` devices named `gpu` (utils.planner.cluster; the data group's link); each recorded
+    weight of `recorded_weight_bytes` stands for one of hidden_dim^2 bf16 values."""
+    cluster = pl.cluster(gpu, num_devices)
+    h, e = hidden_dim, element_bytes
+    forward, input_grad, weight, product = mlp_layer_seconds(h, rows, cluster, e)
+    n, link = pl.group_links(cluster, pl.Config(dp=num_devices))["dp"]
+    nodes = f"{num_devices // cluster.devices_per_node} nodes of {cluster.devices_per_node}"
+    return DataParallelCosts(forward=(forward,) * num_layers,
+                             backward=tuple(input_grad + weight - product * (j == 0) for j in range(num_layers)),
+                             scale=h * h * e / recorded_weight_bytes, world_size=n, link=link,
+                             model=f"the course's MLP at hidden {h}, {num_layers} layers, {rows} rows a rank, bf16",
+                             cluster=f"{num_devices} {gpu} in {nodes} "
+                                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+
+
+def data_parallel_program(ready, syncs, costs):
+    """A rank's step as stream_replay's program: each layer's forward, then the backward gradient by gradient in
+    the recorded order, each all-reduce started and waited for where it was recorded (after so many gradients
+    were ready), the ones never waited for at the end (the optimizer needs them)."""
+    program = [("compute", f"F{j}", f) for j, f in enumerate(costs.forward)]
+    for k in range(len(ready) + 1):
+        if k:
+            program.append(("compute", f"B{ready[k - 1]}", costs.backward[ready[k - 1]]))
+        program += [("start", f"AR{j}", costs.all_reduce(s.nbytes)) for j, s in enumerate(syncs)
+                    if s.started_after == k]
+        program += [("wait", f"AR{j}") for j, s in enumerate(syncs) if s.waited_after == k]
+    return program + [("wait", f"AR{j}") for j, s in enumerate(syncs) if s.waited_after is None]
+
+
+def data_parallel_replay(ready, syncs, costs, after_backward=False):
+    """The recorded step on the modeled clock; `after_backward`: the same all-reduces, all started after the
+    backward and waited for at the end (no overlap)."""
+    if after_backward:
+        syncs = [Sync(s.nbytes, len(ready), len(ready)) for s in syncs]
+    return stream_replay(data_parallel_program(ready, syncs, costs))
+
+
+# ---------------------------------------------------------------- FSDP's prefetch (notebook 05)
+
+@dataclasses.dataclass(frozen=True)
+class FSDPCosts:
+    """Seconds of one FSDP (ZeRO-3) rank's step on a modeled cluster, per micro-batch: each layer's forward and
+    backward (B + W), the all-gather of one layer's weights and the reduce-scatter of its gradients over the data
+    group, the output layer's forward and backward (the planner's: utils/planner/step.py)."""
+
+    forward: float
+    backward: float
+    gather: float
+    reduce: float
+    output: tuple  # (forward, backward)
+    model: str
+    cluster: str
+
+    @property
+    def where(self):
+        return f"{self.model} on {self.cluster}"
+
+
+def fsdp_costs(model, cluster, config):
+    """The planner's costs of an FSDP layout (zero_stage 3 over dp, tp = pp = cp = ep = 1, no recomputation):
+    layer_times, output_layer_seconds, and each layer's weights gathered (param_bytes a parameter) and its
+    gradients reduce-scattered (grad_bytes) through collective_seconds on the data group's link."""
+    c = config
+    if (c.tp, c.pp, c.cp, c.ep, c.zero_stage) != (1, 1, 1, 1, 3) or c.recompute != "none":
+        raise ValueError(f"fsdp_costs replays FSDP alone: zero_stage 3, tp, pp, cp, ep 1, recompute 'none'; got "
+                         f"zero_stage={c.zero_stage} tp={c.tp} pp={c.pp} cp={c.cp} ep={c.ep} recompute={c.recompute!r}")
+    lt = pl.layer_times(model, cluster, c)
+    n, link = pl.group_links(cluster, c)["dp"]
+    gather, reduce = (pl.collective_seconds(op, n, model.layer_dense_params * nbytes, link)
+                      for op, nbytes in (("all_gather", model.param_bytes), ("reduce_scatter", model.grad_bytes)))
+    nodes = "one node" if n <= cluster.devices_per_node else f"{n // cluster.devices_per_node} nodes"
+    return FSDPCosts(lt.forward, lt.input_grad + lt.weight_grad, gather, reduce,
+                     pl.output_layer_seconds(model, cluster, c), f"{model.name}, FSDP over {n}, {c.micro_batch_size} "
+                     f"sequence(s) of {model.seq_len} a rank", f"{cluster.num_devices} {cluster.gpu} in {nodes} "
+                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+
+
+def fsdp_program(num_layers, costs, prefetch=True):
+    """A rank's FSDP step as FSDP2 runs it, as stream_replay's program: forward, each layer's weights gathered
+    (with `prefetch`, the next layer's started before this one's compute), the output layer, then backward in
+    reverse, each layer gathered again (with `prefetch`, the first one beside the output layer's backward, the
+    next one before this one's compute) and its gradients reduce-scattered asynchronously after its compute, all
+    waited for at the end."""
+    L, program = num_layers, []
+    for u in range(L):
+        program += [("start", f"AG{v}", costs.gather) for v in ((u, u + 1) if prefetch and u == 0 else
+                                                               (u + 1,) if prefetch else (u,)) if v < L]
+        program += [("wait", f"AG{u}"), ("compute", f"F{u}", costs.forward)]
+    program.append(("compute", "out F", costs.output[0]))
+    if prefetch:
+        program.append(("start", f"AG{L - 1}'", costs.gather))
+    program.append(("compute", "out B", costs.output[1]))
+    for u in reversed(range(L)):
+        program += [("start", f"AG{v}'", costs.gather) for v in ((u - 1,) if prefetch else (u,)) if v >= 0]
+        program += [("wait", f"AG{u}'"), ("compute", f"B{u}", costs.backward), ("start", f"RS{u}", costs.reduce)]
+    return program + [("wait", f"RS{u}") for u in range(L)]
+
+
+def recorded_fsdp_program(run, costs, step=1):
+    """A rank's recorded FSDP step (a utils.fsdp.Run: its collectives stamped with the Moment they started and were
+    waited for, and each unit a layer asked for) as stream_replay's program: at each ask, the all-gathers started
+    then and the waits done then, the unit's computation (its forward or backward, one layer of `costs` a unit),
+    then the reduce-scatters started then (and waited for then, if they block); the output layer between forward
+    and backward; what is never waited for, at the end."""
+    calls = [c for c in run.calls if c.started_at.step == step]
+    label = {id(c): f"{'RS' if c.name.startswith('reduce_scatter') else 'AG'}{k}" for k, c in enumerate(calls)}
+    gathers = [c for c in calls if c.name.startswith("all_gather")]
+    reduces = [c for c in calls if c.name.startswith("reduce_scatter")]
+    program, backward = [], False
+    for use in [u for u in run.uses if u.asked.step == step]:
+        t = use.asked.tick
+        if use.asked.phase == "backward" and not backward:
+            program += [("compute", "out F", costs.output[0]), ("compute", "out B", costs.output[1])]
+            backward = True
+        program += [("start", label[id(c)], costs.gather) for c in gathers if c.started_at.tick == t]
+        program += [("wait", label[id(c)]) for c in gathers if c.waited_at is not None and c.waited_at.tick == t]
+        program.append(("compute", f"{'B' if backward else 'F'}{use.unit}", costs.backward if backward else
+                        costs.forward))
+        program += [("start", label[id(c)], costs.reduce) for c in reduces if c.started_at.tick == t]
+        program += [("wait", label[id(c)]) for c in reduces if c.waited_at is not None and c.waited_at.tick == t]
+    return program + [("wait", label[id(c)]) for c in calls if c.waited_at is None or c.waited_at.step != step]

@@ -129,6 +129,28 @@ def plot_pipeline_timelines(timelines, title):
     fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
 
 
+def plot_stream_timelines(clocks, title):
+    """clocks: {version: utils.modeled_clock.StreamClock}. One Gantt chart per version, two rows: the rank's
+    computations (forwards blue, backwards orange, labelled by layer) and its collectives (green, labelled by their
+    order, or their name); the gaps in the first row are the exposed communication."""
+    fig, axes = _subplots(len(clocks), 1, figsize=(9, 0.6 + 1.1 * len(clocks)), squeeze=False, sharex=True)
+    colors = {"F": "tab:blue", "B": "tab:orange"}
+    for ax, (name, clock) in zip(axes[:, 0], clocks.items()):
+        rows = [(0, [(str(label), s, e, colors.get(str(label)[0], "tab:blue")) for label, s, e in clock.compute]),
+                (1, [(str(label), s, e, "tab:green") for label, s, e in clock.communication])]
+        for row, bars in rows:
+            ax.barh([row] * len(bars), [(e - s) * 1e3 for _, s, e, _ in bars], left=[s * 1e3 for _, s, _, _ in bars],
+                    color=[c for *_, c in bars], edgecolor="white")
+            for label, s, e, _ in bars:
+                ax.text((s + e) / 2 * 1e3, row, label, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks([0, 1], ["compute", "collectives"])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: step {clock.step * 1e3:.1f} ms, {clock.exposed * 1e3:.1f} ms exposed", fontsize=9)
+    axes[-1, 0].set_xlabel("time (ms)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()  # shown by Jupyter at the end of the cell; a script draws nothing
+
+
 def plot_idle_shares(rows, title):
     """rows: {schedule: {label: share, or [share by rank]}}, the same labels in each row (e.g. "formula", "modeled",
     "measured"). Grouped bars per schedule, in the labels' order; the shares of each rank as dots over their bar
