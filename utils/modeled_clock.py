@@ -416,7 +416,8 @@ def data_parallel_replay(ready, syncs, costs, after_backward=False):
 class FSDPCosts:
     """Seconds of one FSDP (ZeRO-3) rank's step on a modeled cluster, per micro-batch: each layer's forward and
     backward (B + W), the all-gather of one layer's weights and the reduce-scatter of its gradients over the data
-    group, the output layer's forward and backward (the planner's: utils/planner/step.py)."""
+    group, the output layer's forward and backward, and the root unit's gather and reduce-scatter (the weights
+    outside the layers, FSDP2's root: the planner's root_unit_seconds; utils/planner/step.py)."""
 
     forward: float
     backward: float
@@ -425,6 +426,7 @@ class FSDPCosts:
     output: tuple  # (forward, backward)
     model: str
     cluster: str
+    root: tuple = (0.0, 0.0)  # (gather, reduce)
 
     @property
     def where(self):
@@ -447,16 +449,18 @@ def fsdp_costs(model, cluster, config):
     return FSDPCosts(lt.forward, lt.input_grad + lt.weight_grad, gather, reduce,
                      pl.output_layer_seconds(model, cluster, c), f"{model.name}, FSDP over {n}, {c.micro_batch_size} "
                      f"sequence(s) of {model.seq_len} a rank", f"{cluster.num_devices} {cluster.gpu} in {nodes} "
-                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})")
+                     f"({'NVLink' if link == cluster.intra else 'InfiniBand'})",
+                     pl.root_unit_seconds(model, c, n, link).get(0, (0.0, 0.0)))
 
 
 def fsdp_program(num_layers, costs, prefetch=True):
-    """A rank's FSDP step as FSDP2 runs it, as stream_replay's program: forward, each layer's weights gathered
+    """A rank's FSDP step as FSDP2 runs it, as stream_replay's program: the root unit gathered first, then forward,
+    each layer's weights gathered
     (with `prefetch`, the next layer's started before this one's compute), the output layer, then backward in
     reverse, each layer gathered again (with `prefetch`, the first one beside the output layer's backward, the
-    next one before this one's compute) and its gradients reduce-scattered asynchronously after its compute, all
-    waited for at the end."""
-    L, program = num_layers, []
+    next one before this one's compute) and its gradients reduce-scattered asynchronously after its compute, the
+    root's last, all waited for at the end."""
+    L, program = num_layers, [("start", "AG root", costs.root[0]), ("wait", "AG root")]  # before anything runs
     for u in range(L):
         program += [("start", f"AG{v}", costs.gather) for v in ((u, u + 1) if prefetch and u == 0 else
                                                                (u + 1,) if prefetch else (u,)) if v < L]
@@ -468,7 +472,8 @@ def fsdp_program(num_layers, costs, prefetch=True):
     for u in reversed(range(L)):
         program += [("start", f"AG{v}'", costs.gather) for v in ((u - 1,) if prefetch else (u,)) if v >= 0]
         program += [("wait", f"AG{u}'"), ("compute", f"B{u}", costs.backward), ("start", f"RS{u}", costs.reduce)]
-    return program + [("wait", f"RS{u}") for u in range(L)]
+    program.append(("start", "RS root", costs.root[1]))  # after the last gradient
+    return program + [("wait", f"RS{u}") for u in range(L)] + [("wait", "RS root")]
 
 
 def recorded_fsdp_program(run, costs, step=1):

@@ -32,4 +32,4 @@ from utils.planner.memory import (BUCKET_ELEMENTS, FRAGMENTATION, RUNTIME_BYTES,
                                   zero_sharded_bytes)
 from utils.planner.search import (COLUMNS, SCHEDULE_CHOICES, configs, divisors, estimate, estimates, format_rows,
                                   plan)
-from utils.planner.step import bubble_seconds, step_seconds
+from utils.planner.step import bubble_seconds, root_unit_seconds, step_seconds

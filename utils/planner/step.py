@@ -162,7 +162,7 @@ def _layer_terms(model, cluster, config):
     def dp_layer(op, per_param, dense_params, expert_params):
         expert_n, link = n // c.ep, links["dp"][1]
         return (on("dp", op, dense_params / t * per_param)
-                + (collective_seconds(op, expert_n, expert_params / c.ep * per_param, link) if expert_n > 1 else 0))
+                + (collective_seconds(op, expert_n, expert_params / c.ep * per_param, link) if expert_n > 1 and expert_params else 0))
 
     layer_args = (model.layer_dense_params, model.layer_expert_params)
     gather = dp_layer("all_gather", model.param_bytes, *layer_args)
@@ -171,7 +171,7 @@ def _layer_terms(model, cluster, config):
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
     pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
     out_f, out_b = output_layer_seconds(model, cluster, c)
-    roots = _root_seconds(model, c, *links["dp"])
+    roots = root_unit_seconds(model, c, *links["dp"])
     return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
 
 
@@ -238,7 +238,7 @@ def _per_layer(model, cluster, config):
 def _layers_part(per_layer, config, layers, stage, ends=True):
     """`layers` layers alike of pipeline stage `stage` (per_layer: _per_layer of one), per micro-batch: each
     group's exposed time, F, B, W and compute; with `ends`, the stage's hand-offs, the output layer on the last
-    stage and the root unit's transfers (_root_seconds); and the data axis's exposed seconds once per step."""
+    stage and the root unit's transfers (root_unit_seconds); and the data axis's exposed seconds once per step."""
     c = config
     terms, recomputed, forward_layer, backward_layer = per_layer
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots = terms
@@ -278,7 +278,7 @@ def _layers_part(per_layer, config, layers, stage, ends=True):
     return part
 
 
-def _root_seconds(model, config, n, link):
+def root_unit_seconds(model, config, n, link):
     """{pipeline rank: (gather, reduce) seconds} on the data axis of the weights outside the layers: the embedding on
     the first rank, the final norm and the output layer on the last, vocab-parallel over tp. FSDP2 wraps them
     as the root unit, gathered once per micro-batch and reduce-scattered once (the course's small_model_bytes, checked
