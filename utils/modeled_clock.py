@@ -481,12 +481,14 @@ def recorded_fsdp_program(run, costs, step=1):
     waited for, and each unit a layer asked for) as stream_replay's program: at each ask, the all-gathers started
     then and the waits done then, the unit's computation (its forward or backward, one layer of `costs` a unit),
     then the reduce-scatters started then (and waited for then, if they block); the output layer between forward
-    and backward; what is never waited for, at the end."""
+    and backward; what is never waited for, at the end. The modeled model's root unit (its embedding and output
+    layer, which the course's MLP does not have) is gathered and reduce-scattered as fsdp_program does it: first
+    and last, so that your order and FSDP2's are compared on the same model."""
     calls = [c for c in run.calls if c.started_at.step == step]
     label = {id(c): f"{'RS' if c.name.startswith('reduce_scatter') else 'AG'}{k}" for k, c in enumerate(calls)}
     gathers = [c for c in calls if c.name.startswith("all_gather")]
     reduces = [c for c in calls if c.name.startswith("reduce_scatter")]
-    program, backward = [], False
+    program, backward = [("start", "AG root", costs.root[0]), ("wait", "AG root")], False
     for use in [u for u in run.uses if u.asked.step == step]:
         t = use.asked.tick
         if use.asked.phase == "backward" and not backward:
@@ -498,4 +500,6 @@ def recorded_fsdp_program(run, costs, step=1):
                         costs.forward))
         program += [("start", label[id(c)], costs.reduce) for c in reduces if c.started_at.tick == t]
         program += [("wait", label[id(c)]) for c in reduces if c.waited_at is not None and c.waited_at.tick == t]
-    return program + [("wait", label[id(c)]) for c in calls if c.waited_at is None or c.waited_at.step != step]
+    program.append(("start", "RS root", costs.root[1]))
+    return program + [("wait", label[id(c)]) for c in calls if c.waited_at is None or c.waited_at.step != step] + [
+        ("wait", "RS root")]
