@@ -22,7 +22,7 @@ the same check cells, in the same sandbox (utils.grading.command.reference_run):
 segments is not the exercise's method. Outside a private namespace (no bwrap) the counters
 are the machine's, shared with everything else: nothing is compared (the grader's warning says so).
 """
-SLACK = 1.25  # times the reference's segments, plus ALLOWANCE: honest variations, and segmentation under load
+SLACK = 1.5  # times the reference's segments, plus ALLOWANCE: honest variations, and segmentation under load
 ALLOWANCE = 16
 
 
@@ -41,6 +41,11 @@ def since(before):
     """What the counter rose by since `before` (None if either reading is)."""
     now = counters()
     return None if before is None or now is None else now - before
+
+
+def added(total, sent):
+    """A running total of segments plus one cell's (None, outside the sandbox, adds nothing)."""
+    return total if sent is None else (total or 0) + sent
 
 
 def too_much(student, reference):
