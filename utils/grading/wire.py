@@ -22,7 +22,7 @@ the same check cells, in the same sandbox (utils.grading.command.reference_run):
 segments is not the exercise's method. Outside a private namespace (no bwrap) the counters
 are the machine's, shared with everything else: nothing is compared (the grader's warning says so).
 """
-SLACK = 1.5  # times the reference's segments, plus ALLOWANCE: honest variations, and segmentation under load
+SLACK = 1.25  # times the reference's segments, plus ALLOWANCE: honest variations, and segmentation under load
 ALLOWANCE = 16
 
 
