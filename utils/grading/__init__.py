@@ -69,7 +69,11 @@ it around every cell (utils.grading.wire), and an exercise whose check cells sen
 the solution's run of the same cells gets no credit. That catches communication a forged log hides (a ring built
 on dist.all_reduce, extra messages, a fork that talks); it cannot see a method that communicates the same messages
 differently computed (compute counts: 09's blocks, 06's saved bytes, 11's backward calls, memory held), nor a
-count moved from one call to another of the same size. So a student who computes the right values can still get
+count moved from one call to another of the same size. For 06's saved bytes the kernel keeps one count a rank
+cannot lower, its peak resident memory (VmHWM, wait4's ru_maxrss, readable by the process that started it); at the
+check's sizes (a batch of 24 rows of 16 features, 4 layers: kilobytes of activations) against the 218 MB that
+importing torch takes, it cannot tell a recompute that saves everything from one that saves nothing, so it is not
+used. So a student who computes the right values can still get
 credit for such an exercise by forging those counts: that exercise's only, never another's or another student's,
 and only with code written to forge them, which a reader of the submission sees. Three checks once called the
 student's code in the checking process itself (an autograd Function run in one process: 06's recompute, 09's

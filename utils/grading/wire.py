@@ -4,23 +4,32 @@
     ...                               # a check cell: its ranks talk over loopback
     sent = wire.since(before)         # TCP segments sent with new data since `before`
 
-In bubblewrap's sandbox (--unshare-net) a submission has a network namespace of its own, with only loopback, and the
-kernel keeps that namespace's TCP counters (/proc/net/netstat, /proc/net/snmp, as this process sees them). The
-checking process, where no student code runs, reads them around each cell. Every byte any process of the
-submission sends over TCP counts, whoever sends it: a rank, a child it forks, a socket or a process group it opens
-of its own; a student's code can add to them, never take away. The counter is TcpExt TCPOrigDataSent: the TCP
-segments that carried new data (retransmissions excluded). On loopback
-  (64 KB segments, TCP_NODELAY in gloo) that is about one per message gloo sends, whatever its size below 64 KB, so
-  the count says how many messages the ranks exchanged, which is what a method changes: notebook 01's ring
-  reduce-scatter from isend/irecv sends 456 segments in its check, the same values through dist.all_reduce 1008.
-It was the same number in every run of a check here; a large tensor's writes can split differently, hence SLACK.
-Connections opened (Tcp ActiveOpens) are not compared: a connect retried while the store starts counts again.
+In bubblewrap's sandbox (--unshare-net) a submission has a network namespace of its own, with only loopback, and
+the kernel keeps that namespace's TCP counters (/proc/net/netstat, as a process in it sees it). The checking
+process, where no student code runs, reads them around each cell. Whatever any process of the submission sends
+over TCP counts: a rank, a child it forks, a socket or a process group it opens of its own; a student's code can
+add to the count, never take from it. The counter is TcpExt TCPOrigDataSent, the TCP segments that carried new
+data (retransmissions excluded). On loopback (64 KB segments; gloo sets TCP_NODELAY) that is about one per message
+below 64 KB, so it says how many messages the ranks exchanged, which is what a method changes: in notebook 01's
+check of the ring reduce-scatter, the ring from isend/irecv sends 456 segments, the same values through
+dist.all_reduce 1008, through dist.all_gather and a sum 696 (the same number in each of two or three runs). Large
+tensors' writes can split differently under load, hence SLACK.
 
-Bytes are not used: a ring's chunk and gloo's all-reduce's move about the same bytes, and the IP counters also hold
-headers and acknowledgements, whose number varies from run to run. The verdict compares with the solution's run of
-the same check cells, in the same sandbox (utils.grading.command.reference_run): more than SLACK times its
-segments is not the exercise's method. Outside a private namespace (no bwrap) the counters
-are the machine's, shared with everything else: nothing is compared (the grader's warning says so).
+Why this count. Per-socket counts from the kernel's socket table (who sent how much to whom: a ring talks to one
+neighbour) would need the sockets alive when read; a socket's counters go with it when its rank ends (a fork's,
+sooner), so the ranks would have to be held open for the reading, and a socket the student's code opens and
+closes would be missed, where the namespace's count holds every socket, whoever opened it. A relay process that
+carried every message would count calls exactly, at the price of a process group of the grader's own (a backend,
+or a proxy parsing gloo's framing) and a hop per message; this costs one file read before and after a cell.
+Bytes are not used: the IP counters hold headers and acknowledgements too, whose number varies from run to run
+(59,140 to 59,532 octets in three runs of the check above), and at the checks' sizes (tensors of tens of elements)
+a message's headers outweigh its payload. Connections opened (Tcp ActiveOpens) are not compared either: a connect
+retried while the store starts counts again.
+
+The verdict compares with the solution's run of the same cells in a sandbox of its own (utils.grading.command.
+reference_run): more than SLACK times its segments (plus ALLOWANCE) is not the exercise's method. Outside a
+private namespace (no bwrap) the counters are the machine's, shared with everything else: nothing is compared, and
+the grader's warning says so.
 """
 SLACK = 1.25  # times the reference's segments, plus ALLOWANCE: honest variations, and segmentation under load
 ALLOWANCE = 16
