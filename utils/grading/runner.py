@@ -5,10 +5,10 @@
 Cells arrive one JSON line at a time on stdin: {"index": i, "source": ..., "guard": [names]}; after each, one JSON
 line goes back on the report pipe (the file descriptor in $GRADING_REPORT_FD): {"index": i, "error": null or
 [exception name, message], "wire": the TCP segments sent while it ran (utils.grading.wire; null unless
-$GRADING_WIRE says the network namespace is the sandbox's own)}. No line of a student's runs in this process: an answer cell only defines functions
-and classes (utils.grading.submission.answer_outside_functions refuses the rest before it is sent), and the
-functions and methods holding the student's lines are then guarded (`guard`): called here, they run in a fork,
-and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
+$GRADING_WIRE says the network namespace is the sandbox's own)}. No line of a student's runs in this process: an
+answer cell only defines functions and classes (utils.grading.submission.answer_outside_functions refuses the
+rest before it is sent), and the functions and methods holding the student's lines are then guarded (`guard`):
+called here, they run in a fork, and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
 this process), which report back through files that are read here with a pickle that builds data only
 (safe_load, which pickle.load and pickle.loads are in this process): tensors, containers, the course's
 classes; never a function.
