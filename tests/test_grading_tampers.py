@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_grade import handed_in, run_grader, write_class
 
-from utils.grading import command, runner, sandbox, submission
+from utils.grading import command, runner, sandbox, submission, wire
 from utils.notebooks import ROOT
 
 DIVIDE = "    tensor /= dist.get_world_size()\n"
@@ -195,6 +195,9 @@ if pid == 0:  # a rank: the checking process is not dumpable, and the sandbox le
 assert os.waitpid(pid, 0)[1] == 0, "a fork of the checking process reached its memory"
 '''
         assert slot.run(3, reach_the_checker) is None
+        assert slot.wire[3] == 0  # no message was sent: nothing on the wire
+        assert slot.run(4, CHILD_ON_A_SOCKET_OF_ITS_OWN) is None
+        assert slot.wire[4] >= 10, slot.wire  # a fork's socket of its own counts: the kernel counts, not the rank
         marker = f"grading-probe-{os.getpid()}"
         daemon = f"import subprocess; subprocess.Popen(['sh', '-c', 'sleep 30', {marker!r}], start_new_session=True)"
         assert slot.run(2, f"import os\nif os.fork() == 0:\n    {daemon}\n    os._exit(0)") is None
@@ -206,6 +209,32 @@ assert os.waitpid(pid, 0)[1] == 0, "a fork of the checking process reached its m
     assert (tmp_path / "slot" / "here.txt").read_text() == "mine"
 
 
+CHILD_ON_A_SOCKET_OF_ITS_OWN = '''
+import os, socket
+server = socket.create_server(("127.0.0.1", 0))
+pid = os.fork()
+if pid == 0:  # a child of the cell's, on a connection of its own: 20 messages, each sent at once
+    with socket.create_connection(server.getsockname()) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(20):
+            s.sendall(b"x" * 100)
+            s.recv(1)
+    os._exit(0)
+peer, _ = server.accept()
+for _ in range(20):
+    peer.recv(100)
+    peer.sendall(b"k")
+os.waitpid(pid, 0)
+'''
+
+
+def test_only_clearly_more_messages_than_the_reference_fail():
+    assert wire.too_much(None, 900) is None and wire.too_much(2000, None) is None  # no sandbox: nothing compared
+    assert wire.too_much(909, 909) is None and wire.too_much(1100, 909) is None  # honest variations
+    assert "2127 TCP segments" in wire.too_much(2127, 909) and "reference's send 909" in wire.too_much(2127, 909)
+    assert wire.added(wire.added(None, None), 5) == 5 and wire.added(3, None) == 3
+
+
 def test_without_bubblewrap_the_grader_warns_what_is_not_isolated(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sandbox, "bwrap", lambda: None)
     (tmp_path / "bob").mkdir()
@@ -213,6 +242,7 @@ def test_without_bubblewrap_the_grader_warns_what_is_not_isolated(tmp_path, monk
     assert command.main([str(tmp_path), "--out", str(tmp_path / "grades.csv"), "--timeout", "60"]) == 0
     warning = capsys.readouterr().err
     assert "bubblewrap (bwrap) is not available" in warning and "read solutions/" in warning
+    assert "where it can forge the count" in warning
 
 
 def checks_digest():
@@ -354,3 +384,79 @@ def test_backward_split_that_patches_its_check_gets_no_credit():
         PATCH_THE_CHECK + "    return grad\n"})
     with pytest.raises(AssertionError, match="returned the gradient it was given"):
         check_backward_split(wrong.backward_input, wrong.backward_weight, 8, 4, 8, 2)
+
+
+# ---------------------------------------------------------------- counts the student's code cannot forge
+
+# 01's ring reduce-scatter done by an all-reduce, the rank's communication log forged to show a ring's isend: no
+# collective in the log, a ring's bytes. Only the kernel's count of the segments sent tells.
+RING_BODY = """    buffer = torch.empty_like(chunks[0])  # chunk 0 is the longest
+    for step in range(world_size - 1):
+        send_chunk = chunks[(rank - step - 1) % world_size]
+        recv_chunk = chunks[(rank - step - 2) % world_size]
+        incoming = buffer[: recv_chunk.numel()]
+        exchange(send_chunk, right, incoming, left)
+        recv_chunk += incoming
+"""
+FORGED_LOG = """    from utils.intercept import Call
+    from utils.checks.collectives import ring_bytes_per_rank
+    ring = ring_bytes_per_rank("reduce_scatter", tensor.numel(), tensor.element_size(), world_size)[rank]
+"""
+FORGED_RINGS = {
+    "log_from_closure": FORGED_LOG + """\
+    log = dict(zip(dist.isend.__code__.co_freevars, [c.cell_contents for c in dist.isend.__closure__]))["log"]
+    dist.all_reduce.__wrapped__(tensor)
+    log.append(Call("isend", ring, False, 0, 0))
+""",
+    "log_through_gc_group_direct": FORGED_LOG + """\
+    import gc
+    log = next(o for o in gc.get_referents(*dist.isend.__closure__) if type(o) is list and not o)
+    dist.distributed_c10d._get_default_group().allreduce([tensor]).wait()
+    log.append(Call("isend", ring, False, 0, 0))
+""",
+    "all_gather_and_a_sum": FORGED_LOG + """\
+    log = dict(zip(dist.isend.__code__.co_freevars, [c.cell_contents for c in dist.isend.__closure__]))["log"]
+    pieces = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather.__wrapped__(pieces, tensor)
+    tensor.copy_(sum(pieces))
+    log.append(Call("isend", ring, False, 0, 0))
+""",
+    "child_with_a_group_of_its_own": FORGED_LOG + """\
+    import datetime, gc, os
+    log = next(o for o in gc.get_referents(*dist.isend.__closure__) if type(o) is list and not o)
+    counter = f"/tmp/forged-{world_size}-{rank}"
+    calls = int(open(counter).read()) if os.path.exists(counter) else 0
+    open(counter, "w").write(str(calls + 1))
+    shared = tensor.clone().share_memory_()
+    child = os.fork()
+    if child == 0:  # a process group of its own, in a process the checks do not watch
+        try:
+            wait = datetime.timedelta(seconds=30)
+            store = dist.TCPStore("127.0.0.1", 29500 + 100 * world_size + calls, world_size, rank == 0, wait)
+            dist.ProcessGroupGloo(store, rank, world_size, wait).allreduce([shared]).wait()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    tensor.copy_(shared)
+    log.append(Call("isend", ring, False, 0, 0))
+""",
+}
+
+
+@pytest.mark.slow  # the solution of 01 once (the reference's count) and five submissions: about a minute
+@pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
+def test_a_forged_communication_log_gets_no_credit(tmp_path, monkeypatch):
+    """Each forge passes every check that reads the rank's log (its only failure is the kernel's count); the
+    honest student passes everything, and the forgers' other exercises pass."""
+    write_class(tmp_path / "submitted", {
+        **{name: ("01_collectives.ipynb", handed_in("01_collectives", replace={RING_BODY: forge}))
+           for name, forge in FORGED_RINGS.items()},
+        "alice": ("01_collectives.ipynb", handed_in("01_collectives"))})
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "300")
+    assert {r["verdict"] for r in rows["alice"]} == {"passed"}, rows["alice"]
+    for name in FORGED_RINGS:
+        verdicts = {r["exercise"]: r for r in rows[name]}
+        forged = verdicts.pop("ring_reduce_scatter")
+        assert forged["verdict"] == "failed" and "TCP segments" in forged["message"], (name, forged)
+        assert {r["verdict"] for r in verdicts.values()} == {"passed"}, (name, rows[name])
+    assert not left

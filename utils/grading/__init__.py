@@ -29,24 +29,58 @@ cells, as the instructor has them, with three rules:
   reference reaches the checking process only then: a rank of an exercise cannot find its reference in the
   memory it inherits, and solutions/ is not in the sandbox at all.
 
-The limits. The values a student's function computed are compared here; what a rank records about *how* it computed
-them is measured in the process that runs the student's code, and that code can fake it: the communication calls
-and the bytes handed to them (utils.intercept, utils.counting: installed before the student's code runs, but a
-Python wrapper that code can remove, bypass by calling the process group directly, or whose log it can edit through
-the frames or the garbage collector before the rank reports), the blocks 09's blockwise attention computed, the
-layer calls and the bytes autograd saved in 06's recompute, the backward calls autograd saw in 11's B and W, the
-memory a MemoryTracker saw. A pipe for that log would not help: the student's code holds every descriptor of its
-process. What the kernel counts for a whole process (bytes written to its sockets, /proc/<pid>/io) a rank cannot
-lower, but it can hand the work to a process it forks, and no check's verdict needs it today. So a student who
-computes the right values can get credit for an exercise whose point is the method (a ring built on
-dist.all_reduce, a recompute that saves every activation, blocks the mask hides computed anyway) by forging these
-counts: that exercise's only, never another's or another student's, and only with code written to forge them,
-which a reader of the submission sees. Three checks once called the student's code in the checking process itself
-(an autograd Function run in one process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it
-in a rank of its own, which returns tensors and counts, and compare here like the rest. Only a few cells after a
-check (demos that call an autograd Function in their own process: submission.DEMOS_IN_A_FORK) run in a fork of the
-checking process, whose outcome the student's code could forge: that gains nothing, since the exercise passes only
-if its check cell, run here, passes too.
+What a rank measures (the inventory). These verdicts depend on a count taken in the process that runs the
+student's code, not only on the values it computed:
+
+    00 check_average_over_ranks        calls (intercept: one all_reduce, none unwaited)
+    01 check_exchange                  calls and bytes handed to send (intercept; blocking order)
+    01 check_ring, check_pipelined_ring   no collective called, bytes handed to isend, segments in flight
+    02 check_micro_batches, check_overlapped_sync, check_bucketed_sync, check_matches_pytorch_ddp
+                                       all_reduce calls, their sizes, start and wait times (intercept)
+    03 check_all_gather_forward, check_parallel_regions, check_parallel_linear, check_tensor_parallel_mlp
+                                       collective calls per forward and backward (record_communication)
+    04 check_hand_offs, check_forward_backward   send/recv calls, peers and bytes (intercept)
+    04, 11 check_naive_step, check_gpipe_step, check_one_f_one_b_step, check_interleaved_step, check_zb_h1_step,
+       check_past_1f1b                 the recorded order of forwards, backwards and hand-offs, activations alive
+                                       (autograd hooks and intercept in the rank)
+    11 check_backward_split            backward calls autograd saw in B and W
+    05 check_zero1, check_zero2, check_fsdp, check_memory, check_prefetch
+                                       collective calls and sizes, bytes held at the peak (MemoryTracker)
+    06 check_reduce_dtype, check_mixed_precision_fsdp   collective dtypes and sizes (intercept, MemoryTracker)
+    06 check_recompute                 layer calls in forward and backward, bytes autograd saved
+    07 check_redistribute, check_data_parallel, check_reshard, check_units
+                                       collectives (intercept, functional collectives), gathered bytes alive
+    09 check_blockwise_attention       score blocks computed (traced_blocks)
+    09 check_ring_attention(_backward), check_zigzag   send/recv calls, peers, bytes, blocks computed
+    09 check_sequence_parallel         collective calls and bytes, bytes saved for backward
+    10 check_expert_data_parallel      collectives and groups used (intercept)
+    12 check_fsdp_tensor_parallel, check_pipeline_3d, check_context_parallel_nd
+                                       calls per group, peers, bytes held (communication_by_group, MemoryTracker)
+
+The limits, and the one count taken outside. The values a student's function computed are compared here; the
+counts above are measured where the student's code runs, and that code can fake them: the communication calls and
+the bytes handed to them (utils.intercept, utils.counting: a Python wrapper that code can remove, bypass by
+calling the process group directly, or whose log it can edit through the frames or the garbage collector before
+the rank reports), the blocks 09's blockwise attention computed, the layer calls and the bytes autograd saved in
+06's recompute, the backward calls autograd saw in 11's B and W, the memory a MemoryTracker saw. A pipe for that
+log would not help: the student's code holds every descriptor of its process. What the kernel counts for the
+sandbox's network namespace a rank cannot lower, forks and sockets of its own included: the checking process reads
+it around every cell (utils.grading.wire), and an exercise whose check cells sent clearly more TCP segments than
+the solution's run of the same cells gets no credit. That catches communication a forged log hides (a ring built
+on dist.all_reduce, extra messages, a fork that talks); it cannot see a method that communicates the same messages
+differently computed (compute counts: 09's blocks, 06's saved bytes, 11's backward calls, memory held), nor a
+count moved from one call to another of the same size. For 06's saved bytes the kernel keeps one count a rank
+cannot lower, its peak resident memory (VmHWM, wait4's ru_maxrss, readable by the process that started it); at the
+check's sizes (a batch of 24 rows of 16 features, 4 layers: kilobytes of activations) against the 218 MB that
+importing torch takes, it cannot tell a recompute that saves everything from one that saves nothing, so it is not
+used. So a student who computes the right values can still get
+credit for such an exercise by forging those counts: that exercise's only, never another's or another student's,
+and only with code written to forge them, which a reader of the submission sees. Three checks once called the
+student's code in the checking process itself (an autograd Function run in one process: 06's recompute, 09's
+blockwise attention, 11's B and W): they now run it in a rank of its own, which returns tensors and counts, and
+compare here like the rest. Only a few cells after a check (demos that call an autograd Function in their own
+process: submission.DEMOS_IN_A_FORK) run in a fork of the checking process, whose outcome the student's code could
+forge: that gains nothing, since the exercise passes only if its check cell, run here, passes too.
 
 Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
 other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only

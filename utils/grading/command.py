@@ -30,13 +30,14 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
 
 from utils.grading import gradescope as gradescope_format
 from utils.grading import submission
-from utils.grading import sandbox
+from utils.grading import sandbox, wire
 from utils.grading.sandbox import Slot, Stopped
 
 COLUMNS = ["student", "notebook", "exercise", "verdict", "points", "max_points", "message"]
@@ -117,11 +118,12 @@ STOPPED = {"timed out": "timed out", "out of memory": "error", "died": "error"}
 def run_once(assignment, answers, params, seconds, memory_bytes):
     """{exercise: (verdict, message)} for one run of the solution notebook in a slot (utils.grading.sandbox), its
     answers replaced: each exercise's by the student's if attempted (and defining functions only), checked, then
-    the solution's again (the reference, which the later exercises' checks call)."""
+    the solution's again (the reference, which the later exercises' checks call); the answers refused, and
+    {exercise: TCP segments its answer's cells sent} (utils.grading.wire; None outside the sandbox)."""
     at = {e.cell: e for e in assignment.exercises}
     owner = {j: e for e in assignment.exercises for j in [e.cell, *e.checks]}
     last = {(e.checks or [e.cell])[-1]: e for e in assignment.exercises}
-    verdicts, own = {}, {}
+    verdicts, own, sent = {}, {}, {}
     why = {"timed out": f"over the time limit of {seconds:g} s",
            "out of memory": f"over the memory limit of {(memory_bytes or 0) / 2**30:g} GB",
            "died": "the checking process died"}
@@ -143,6 +145,7 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
                                      fork=i not in at and submission.in_a_fork(assignment.name, exercise, source))
                     if error and exercise.name not in verdicts:
                         verdicts[exercise.name] = verdict_of(error, exercise)
+                    sent[exercise.name] = wire.added(sent.get(exercise.name), slot.wire.get(i))
                 else:
                     error = slot.run(i, source)
                     if error and exercise is None:  # before the first exercise: the parameters, say
@@ -163,7 +166,7 @@ def run_once(assignment, answers, params, seconds, memory_bytes):
                     verdicts[ex.name] = STOPPED[e.args[0]], f"not reached: {why[e.args[0]]} before it"
         finally:
             slot.close()
-    return verdicts, {name: why for name, why in own.items() if isinstance(why, str)}
+    return verdicts, {name: why for name, why in own.items() if isinstance(why, str)}, sent
 
 
 def grade(student, path, params=(), seconds=600.0, memory_bytes=None):
@@ -197,10 +200,13 @@ def grade(student, path, params=(), seconds=600.0, memory_bytes=None):
             verdict, message = "not attempted", exercise.stubs[0].strip().split('("')[1].rstrip('")')
         else:
             verdict, message = "passed", ""
-            for p, verdicts, refused in runs:
+            for p, verdicts, refused, sent in runs:
                 if exercise.name in refused:
                     verdict, message = "error", refused[exercise.name]
                     break
+                if verdicts[exercise.name][0] == "passed" and sent.get(exercise.name) is not None:
+                    more = wire.too_much(sent[exercise.name], reference_run(assignment, p)[1].get(exercise.name))
+                    verdicts[exercise.name] = ("failed", more) if more else verdicts[exercise.name]
                 if verdicts[exercise.name][0] != "passed":
                     verdict, message = verdicts[exercise.name]
                     message = f"with {p}: {message}" if p else message
@@ -228,15 +234,27 @@ def with_references_named(rows, assignment):
     return rows
 
 
+_references, _reference_lock = {}, threading.Lock()
+
+
+def reference_run(assignment, params=None):
+    """(seconds, {exercise: TCP segments its cells sent}) of the solution's own answers graded, in a slot like a
+    student's: run once per assignment and parameters, in a sandbox no student code ran in."""
+    with _reference_lock:
+        if (assignment.name, params) not in _references:
+            answers = {}
+            for e in assignment.exercises:
+                source = assignment.solution.cells[e.cell].source
+                answers[e.name] = (source, source)
+            start = time.monotonic()
+            _, _, sent = run_once(assignment, answers, params, 3600, None)
+            _references[assignment.name, params] = time.monotonic() - start, sent
+        return _references[assignment.name, params]
+
+
 def solution_seconds(assignment):
     """How long the solution's own answers take to grade: what the default time limit multiplies."""
-    answers = {}
-    for e in assignment.exercises:
-        source = assignment.solution.cells[e.cell].source
-        answers[e.name] = (source, source)
-    start = time.monotonic()
-    run_once(assignment, answers, None, 3600, None)
-    return time.monotonic() - start
+    return reference_run(assignment)[0]
 
 
 def gradescope(rows, folder):

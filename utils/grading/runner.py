@@ -4,10 +4,11 @@
 
 Cells arrive one JSON line at a time on stdin: {"index": i, "source": ..., "guard": [names]}; after each, one JSON
 line goes back on the report pipe (the file descriptor in $GRADING_REPORT_FD): {"index": i, "error": null or
-[exception name, message]}. No line of a student's runs in this process: an answer cell only defines functions
-and classes (utils.grading.submission.answer_outside_functions refuses the rest before it is sent), and the
-functions and methods holding the student's lines are then guarded (`guard`): called here, they run in a fork,
-and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
+[exception name, message], "wire": the TCP segments sent while it ran (utils.grading.wire; null unless
+$GRADING_WIRE says the network namespace is the sandbox's own)}. No line of a student's runs in this process: an
+answer cell only defines functions and classes (utils.grading.submission.answer_outside_functions refuses the
+rest before it is sent), and the functions and methods holding the student's lines are then guarded (`guard`):
+called here, they run in a fork, and only what they return or raise comes back. The student's code runs in the ranks the checks start (forks of
 this process), which report back through files that are read here with a pickle that builds data only
 (safe_load, which pickle.load and pickle.loads are in this process): tensors, containers, the course's
 classes; never a function.
@@ -29,6 +30,8 @@ import pickle
 import sys
 import traceback
 import types
+
+from utils.grading import wire
 
 PR_SET_DUMPABLE = 4
 
@@ -288,6 +291,7 @@ def main():
     except (OSError, AttributeError):  # not Linux: the sandbox is not either
         pass
     read_pickles_as_data()
+    counted = os.environ.pop("GRADING_WIRE", None) == "1"
     cells, reports = os.fdopen(cells_fd, "r"), os.fdopen(report_fd, "w", buffering=1)
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
@@ -295,7 +299,7 @@ def main():
     namespace["__builtins__"] = builtins
     for line in cells:
         cell = json.loads(line)
-        error = None
+        error, before = None, wire.counters() if counted else None
         code = compile(cell["source"], f"<cell {cell['index']}>", "exec")
         if cell.get("fork"):
             error = run_in_fork(code, namespace)
@@ -306,7 +310,7 @@ def main():
             except BaseException as e:  # noqa: B036 -- the cell's outcome, whatever it is, is the report
                 error = [type(e).__name__, str(e)]
         sys.stdout.flush()
-        reports.write(json.dumps({"index": cell["index"], "error": error}) + "\n")
+        reports.write(json.dumps({"index": cell["index"], "error": error, "wire": wire.since(before)}) + "\n")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def bwrap():
 
 WARNING = ("bubblewrap (bwrap) is not available: submissions run without a sandbox. Their code can read solutions/ "
            "and other students' files, write to the course and the grades, use the network, and a process that "
-           "leaves its session can outlive its submission (on Debian or Ubuntu: apt-get install bubblewrap)")
+           "leaves its session can outlive its submission; how an answer communicated is counted in its own processes "
+           "only, where it can forge the count (on Debian or Ubuntu: apt-get install bubblewrap)")
 
 
 TMPFS_BYTES = 2**30  # the private /tmp and /dev/shm: in memory, bounded so that they cannot fill the machine's
@@ -152,7 +153,7 @@ class Slot:
                "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         python = [sys.executable, "-P", "-m", "utils.grading.runner"]
         if bwrap():
-            env.update(PYTHONPATH=COURSE, HOME="/tmp", TMPDIR="/tmp")
+            env.update(PYTHONPATH=COURSE, HOME="/tmp", TMPDIR="/tmp", GRADING_WIRE="1")  # its own network
             command, cwd = sandbox_command(workdir, graded) + python, None
         else:
             env.update(PYTHONPATH=str(ROOT), HOME=str(workdir), TMPDIR=str(workdir))
@@ -162,7 +163,7 @@ class Slot:
                                         text=True)
         os.close(write_end)
         self.reports = os.fdopen(read_end, "r")
-        self.namespace = None
+        self.namespace, self.wire = None, {}  # {cell index: TCP segments its ranks sent (utils.grading.wire)}
         self.watchdog = threading.Thread(target=self._watch, daemon=True)
         self.done = threading.Event()
         self.watchdog.start()
@@ -211,6 +212,7 @@ class Slot:
                     raise Stopped(self.reason or "died")
                 report = json.loads(line)
                 if report["index"] == index:
+                    self.wire[index] = report.get("wire")
                     return report["error"]
             elif left < -5:  # the watchdog has killed it: its pipe closes
                 raise Stopped(self.reason or "timed out")
