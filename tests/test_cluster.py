@@ -203,7 +203,7 @@ def test_up_status_down_is_idempotent_and_leaves_nothing(clean, capsys):
     assert ("no latency was added" in out) != network.read_state()["latency_added"]  # said where netem is missing
     assert network.status()["nodes"] == 2
     out = capsys.readouterr().out
-    assert out.count("qdisc tbf") + out.count("qdisc netem") == 2, out
+    assert out.count("htb 100Mbit, small packets first") == 2, out  # each node's link
     network.down()
     network.down()
     assert "nothing to remove" in capsys.readouterr().out
