@@ -14,7 +14,7 @@ import pytest
 
 from utils import notebooks
 from utils.cluster import __main__ as cli
-from utils.cluster import boundary, duplex, network, pipeline_step
+from utils.cluster import bench, boundary, duplex, network, pipeline_step
 from utils.cluster.network import ClusterError
 from utils.cluster.run import check_run, run
 
@@ -89,6 +89,80 @@ def test_off_linux_or_without_iproute2_the_message_says_what_is_missing(monkeypa
     monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/ip")
     assert cli.main(["down"]) == 2
     assert "the tc command(s) from iproute2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the link's shaping and latency, tc faked (default run)
+
+class FakeTc:
+    """Stands in for network.sh: records every command; `tc ... netem ...` fails as on a kernel without sch_netem
+    unless `netem`."""
+    def __init__(self, netem):
+        self.netem, self.commands = netem, []
+
+    def __call__(self, *command, check=True):
+        self.commands.append(command)
+        failed = "netem" in command and not self.netem
+        stderr = "Error: Specified qdisc kind is unknown.\n" if failed else ""
+        if failed and check:
+            raise ClusterError(stderr)
+        return subprocess.CompletedProcess(command, 2 if failed else 0, "", stderr)
+
+
+def test_the_link_is_htb_with_small_packets_first_on_both_ends_of_each_pair(monkeypatch):
+    tc = FakeTc(netem=False)
+    monkeypatch.setattr(network, "sh", tc)
+    monkeypatch.setattr(network, "write_hosts", lambda node, nodes: None)
+    assert network.build(2, "100mbit", None) is False
+    shaped = [c for c in tc.commands if c[0] == "tc"]
+    for node in range(2):
+        for prefix, interface in ((("tc", "-n", network.namespace(node)), network.node_interface(node)),
+                                  (("tc",), network.host_interface(node))):
+            mine = [c[len(prefix):] for c in shaped if c[:len(prefix)] == prefix and interface in c]
+            assert mine == network.shaping_commands(interface, "100mbit"), interface
+    commands = network.shaping_commands("x", "100mbit")
+    assert ("qdisc", "add", "dev", "x", "root", "handle", "1:", "htb", "default", "20") in commands  # data: 1:20
+    assert [c[c.index("prio") + 1] for c in commands if "classid" in c and c[c.index("classid") + 1] != "1:1"] \
+        == ["0", "1"]  # 1:10 (small packets) is served first
+    filters = [c for c in commands if c[0] == "filter"]
+    assert [(c[c.index("protocol") + 1], c[c.index("at") - 1], c[c.index("at") + 1]) for c in filters] == \
+        [("ip", "0xff80", "2"), ("ipv6", "0xff80", "4")]  # IPv4's total length, IPv6's payload length < 128
+    assert all(c[-1] == "1:10" for c in filters)
+
+
+def test_a_delay_is_added_where_netem_exists_on_the_node_ends_under_both_classes(monkeypatch, tmp_path, capsys):
+    for netem in (True, False):
+        tc = FakeTc(netem)
+        monkeypatch.setattr(network, "sh", tc)
+        monkeypatch.setattr(network, "write_hosts", lambda node, nodes: None)
+        monkeypatch.setattr(network, "require_privileges", lambda: None)
+        monkeypatch.setattr(network, "read_state", lambda: None)
+        monkeypatch.setattr(network, "down", lambda quiet=False: None)
+        monkeypatch.setattr(network, "STATE", tmp_path / "state.json")
+        state = network.up(2, "100mbit", "5ms")
+        out = capsys.readouterr().out
+        delays = [c for c in tc.commands if "netem" in c]
+        assert state["latency_added"] is netem
+        if netem:
+            assert [(c[2], c[c.index("parent") + 1]) for c in delays] == [
+                (network.namespace(n), classid) for n in range(2) for classid in ("1:10", "1:20")]
+            assert "5ms one way" in out and network.NO_NETEM_NOTE not in out
+        else:  # tried once, on node 0; the link is shaped all the same, and `up` says what is missing
+            assert len(delays) == 1 and sum("htb" in c and "root" in c for c in tc.commands) == 4
+            assert "no latency added (5ms asked; no netem)" in out and network.NO_NETEM_NOTE in out
+
+
+def test_where_netem_exists_bench_compares_the_fitted_latency_with_the_configured_one(capsys):
+    state = {"link": "100mbit", "delay": "5ms", "latency_added": True}
+    inside = {"alpha": 50e-6, "beta": 2e9, "sizes": [2**14, 2**22]}
+    for fitted, verdict in ((5.3e-3, "(106%), within 10%"), (4e-3, "(80%), NOT within 10%")):
+        across = {"alpha": 50e-6 + fitted, "beta": 0.95e8 / 8}
+        bench.report(state, 1e8, inside, across)
+        out = capsys.readouterr().out
+        assert f"added latency: configured 5000 us, fitted {fitted * 1e6:.0f} us more than inside a node {verdict}" \
+            in out, out
+    bench.report(state | {"latency_added": False}, 1e8, inside, across)
+    out = capsys.readouterr().out
+    assert "latency: none added (no netem here)" in out and "added latency" not in out
 
 
 # ---------------------------------------------------------------- the node boundary (notebook 01, section 8)
