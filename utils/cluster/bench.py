@@ -1,7 +1,7 @@
 """The link, measured: the alpha-beta fit of a point-to-point message (notebook 01's), between two ranks inside a
 node (its loopback) and between two nodes (the shaped link), against the configured rate.
 
-What reaches the payload is less than the configured rate: tbf counts whole Ethernet frames, and a full TCP
+What reaches the payload is less than the configured rate: tc counts whole Ethernet frames, and a full TCP
 segment carries 1448 bytes of payload in 1514 (Ethernet 14, IP 20, TCP 20 with its 12 bytes of timestamps), so
 at most 95.6% of the rate."""
 from pathlib import Path

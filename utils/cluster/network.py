@@ -19,7 +19,8 @@ behind tbf, 0.98 with small packets first (utils.cluster.boundary). fq_codel or 
 queues, are missing from some kernels (this one); htb and u32 are there wherever tc shapes at all. Latency (netem)
 is added on the node ends only, under both classes, so one way between two nodes crosses it once; where the kernel
 has no netem, none is added and `up` says so. Ranks inside a node talk over its loopback (their own address is
-local: the kernel routes it over lo, unshaped). Everything is named with the prefix `dtfs-`, so `down` finds ours and only ours.
+local: the kernel routes it over lo, unshaped). Everything is named with the prefix `dtfs-`, so `down` finds ours
+and only ours.
 """
 import json
 import os
@@ -38,7 +39,7 @@ STATE = Path("/run") / (PREFIX + "cluster.json")  # /run is a tmpfs: gone at reb
 # reverse lookup of a peer's address answers at once (else c10d warns that it cannot name the client socket).
 HOSTS = Path("/etc/netns")
 MAX_NODES = 64
-FRAME = 1514  # bytes of an Ethernet frame with MTU 1500, what tbf counts
+FRAME = 1514  # bytes of an Ethernet frame with MTU 1500, what tc counts
 RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)bit$", re.IGNORECASE)
 DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 NO_NETEM_NOTE = ("note: this kernel has no netem queueing discipline (sch_netem), so no latency was added: the "
