@@ -91,7 +91,7 @@ def test_off_linux_or_without_iproute2_the_message_says_what_is_missing(monkeypa
     assert "the tc command(s) from iproute2" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the link's shaping and latency, tc faked (default run)
+# ---------------------------------------------------------------- the link's shaping and latency, tc faked
 
 class FakeTc:
     """Stands in for network.sh: records every command; `tc ... netem ...` fails as on a kernel without sch_netem
@@ -108,7 +108,7 @@ class FakeTc:
         return subprocess.CompletedProcess(command, 2 if failed else 0, "", stderr)
 
 
-def test_the_link_is_htb_with_small_packets_first_on_both_ends_of_each_pair(monkeypatch):
+def test_the_link_is_htb_with_pure_acknowledgements_first_on_both_ends_of_each_pair(monkeypatch):
     tc = FakeTc(netem=False)
     monkeypatch.setattr(network, "sh", tc)
     monkeypatch.setattr(network, "write_hosts", lambda node, nodes: None)
@@ -122,11 +122,34 @@ def test_the_link_is_htb_with_small_packets_first_on_both_ends_of_each_pair(monk
     commands = network.shaping_commands("x", "100mbit")
     assert ("qdisc", "add", "dev", "x", "root", "handle", "1:", "htb", "default", "20") in commands  # data: 1:20
     assert [c[c.index("prio") + 1] for c in commands if "classid" in c and c[c.index("classid") + 1] != "1:1"] \
-        == ["0", "1"]  # 1:10 (small packets) is served first
+        == ["0", "1"]  # 1:10 (acknowledgements) is served first
     filters = [c for c in commands if c[0] == "filter"]
-    assert [(c[c.index("protocol") + 1], c[c.index("at") - 1], c[c.index("at") + 1]) for c in filters] == \
-        [("ip", "0xff80", "2"), ("ipv6", "0xff80", "4")]  # IPv4's total length, IPv6's payload length < 128
-    assert all(c[-1] == "1:10" for c in filters)
+    for words in range(11):  # no options, timestamps, SACK blocks: every pure acknowledgement goes first
+        assert classified(tcp_segment(0, words), filters) == "1:10", words
+    for payload, flags in ((1, 0x18), (1, 0x10), (12, 0x10), (1448, 0x10)):  # data, however small, waits its turn
+        assert classified(tcp_segment(payload, 3, flags), filters) == "1:20", (payload, flags)
+    udp = bytearray(tcp_segment(0, 3))
+    udp[9] = 17
+    assert classified(bytes(udp), filters) == "1:20"
+
+
+def classified(packet, filters):
+    """The class that u32 `filters` send an IPv4 packet (bytes) to: the first whose matches all hold, else the
+    default, 1:20."""
+    for command in filters:
+        fields = [command[i + 1:i + 6] for i, word in enumerate(command) if word == "match"]  # u8 VALUE MASK at N
+        if all(int.from_bytes(packet[int(at):int(at) + {"u8": 1, "u16": 2}[kind]], "big") & int(mask, 16)
+               == int(value, 16) for kind, value, mask, _, at in fields):
+            return command[command.index("flowid") + 1]
+    return "1:20"
+
+
+def tcp_segment(payload, option_words=3, flags=0x10):
+    """An IPv4 packet (20-byte header) holding a TCP segment with `option_words` words of options."""
+    words = 5 + option_words
+    ip = bytes([0x45, 0]) + (20 + 4 * words + payload).to_bytes(2, "big") + bytes(5) + bytes([6]) + bytes(10)
+    tcp = bytes(12) + bytes([words << 4, flags]) + bytes(4 * words - 14)
+    return ip + tcp + bytes(payload)
 
 
 def test_a_delay_is_added_where_netem_exists_on_the_node_ends_under_both_classes(monkeypatch, tmp_path, capsys):
@@ -277,7 +300,7 @@ def test_up_status_down_is_idempotent_and_leaves_nothing(clean, capsys):
     assert ("no latency was added" in out) != network.read_state()["latency_added"]  # said where netem is missing
     assert network.status()["nodes"] == 2
     out = capsys.readouterr().out
-    assert out.count("htb 100Mbit, small packets first") == 2, out  # each node's link
+    assert out.count("htb 100Mbit, acknowledgements first") == 2, out  # each node's link
     network.down()
     network.down()
     assert "nothing to remove" in capsys.readouterr().out
@@ -406,7 +429,7 @@ def test_a_recorded_1f1b_step_across_a_slow_link_is_dominated_by_its_hand_offs(c
 @pytest.mark.slow
 @needs_root
 def test_the_shaped_link_is_full_duplex_and_a_gloo_pair_takes_turns(clean):
-    """Both ways at once on two pairs take about as long as one way (the link is full duplex: small packets first);
+    """Both ways at once on two pairs take about as long as one way (the link is full duplex: acknowledgements first);
     on one pair, about twice (gloo writes a pair's notices and data in order on one socket), which is what the
     modeled clock's replay across the link assumes (one hand-off at a time between two stages)."""
     seconds = duplex.duplex_seconds()

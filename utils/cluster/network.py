@@ -10,17 +10,17 @@ reaches it on dtfs-h{i}, like a full-duplex network card of that rate. Full dupl
 limit: a node's egress carries its own data and its TCP acknowledgements of what it receives, and behind a deep
 queue of data (a plain tbf's: 100 ms of the link) an acknowledgement waits for all of it, so each direction's
 sender stalls while the other direction sends. A real card's queue is short, and its wire carries each direction
-on its own. So the shaper is htb with two classes sharing the rate, small packets first (the "wondershaper" set-up
-of the Linux Advanced Routing & Traffic Control HOWTO): packets under 128 bytes (pure acknowledgements, 52 to 66)
-jump the data. Measured over 100mbit, 128 KB each way at once on one TCP socket: 14-15 ms behind tbf, 11.4-12.9 ms
-with small packets first, against 10.7 ms one way. The planner's time for the four-rank all-reduce ring across
-two nodes (its edges leave each node one way while the other's come in) was 0.75-0.94 of the measured median
-behind tbf, 0.98 with small packets first (utils.cluster.boundary). fq_codel or sfq, the usual cure for such
-queues, are missing from some kernels (this one); htb and u32 are there wherever tc shapes at all. Latency (netem)
-is added on the node ends only, under both classes, so one way between two nodes crosses it once; where the kernel
-has no netem, none is added and `up` says so. Ranks inside a node talk over its loopback (their own address is
-local: the kernel routes it over lo, unshaped). Everything is named with the prefix `dtfs-`, so `down` finds ours
-and only ours.
+on its own. So the shaper is htb with two classes sharing the rate, pure acknowledgements first (as in the
+"wondershaper" of the Linux Advanced Routing & Traffic Control HOWTO; segments with data, however small, keep
+their order). Measured over 100mbit (utils.cluster.duplex), 128 KB each way at once on two gloo pairs: 15.8-18.1
+ms behind tbf, 11.1-11.6 ms with acknowledgements first, against 10.7-10.8 ms one way. The planner's time for the
+four-rank all-reduce ring across two nodes (its edges leave each node one way while the other's come in) was
+0.75-0.94 of the measured median behind tbf, 0.95-0.99 with acknowledgements first (utils.cluster.boundary).
+fq_codel or sfq, the usual cure for such queues, are missing from some kernels (this one); htb and u32 are there
+wherever tc shapes at all. Latency (netem) is added on the node ends only, under both classes, so one way between
+two nodes crosses it once; where the kernel has no netem, none is added and `up` says so. Ranks inside a node talk
+over its loopback (their own address is local: the kernel routes it over lo, unshaped). Everything is named with the
+prefix `dtfs-`, so `down` finds ours and only ours.
 """
 import json
 import os
@@ -254,14 +254,27 @@ def bucket_bytes(link):
     return max(int(bits_per_second(link) / 8 * 2e-4), 3 * segment_bytes(link))
 
 
-SMALL = 128  # bytes of an IP packet (headers included) below which it goes first: TCP's pure acknowledgements
-ACK_SHARE = 0.05  # of the rate, guaranteed to the small packets (either class may borrow the whole rate)
+ACK_SHARE = 0.05  # of the rate, guaranteed to the acknowledgements (either class may borrow the whole rate)
+
+
+def pure_ack_filters(interface):
+    """u32 filters that send TCP's pure acknowledgements (no payload) to class 1:10: IPv4 (the addresses `up`
+    gives) with a 20-byte header, whose total length is the header's 20 plus the TCP header's, 4 x its data offset
+    (5 to 15 words: every option that an acknowledgement carries, timestamps and SACK blocks). A segment with data
+    stays in 1:20, behind the data before it: were it to jump them, its connection would see its bytes out of order
+    (duplicate acknowledgements, a retransmission, a halved window)."""
+    return [("filter", "add", "dev", interface, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "u8", "0x45", "0xff", "at", "0",  # IPv4, 20-byte header
+             "match", "u8", "0x06", "0xff", "at", "9",  # TCP
+             "match", "u16", f"0x{20 + 4 * words:04x}", "0xffff", "at", "2",  # total length: the headers only
+             "match", "u8", f"0x{words << 4:02x}", "0xf0", "at", "32",  # the TCP header's length
+             "flowid", "1:10") for words in range(5, 16)]
 
 
 def shaping_commands(interface, link, delay=None):
-    """tc's arguments (after `tc [-n NS]`) that limit the interface's egress to `link`: htb, the small packets'
-    class 1:10 served before the data's 1:20 (u32 matches IPv4's total length, IPv6's payload length, under
-    SMALL), each class behind a netem delay if `delay`."""
+    """tc's arguments (after `tc [-n NS]`) that limit the interface's egress to `link`: htb, TCP's pure
+    acknowledgements in class 1:10, served before everything else in 1:20, each class behind a netem delay if
+    `delay`."""
     bits, burst = bits_per_second(link), str(bucket_bytes(link))
     quantum = str(segment_bytes(link) + 100)  # one whole packet per round: htb wants at least the largest
     dev = ("dev", interface)
@@ -272,10 +285,7 @@ def shaping_commands(interface, link, delay=None):
         commands.append(("class", "add", *dev, "parent", "1:1", "classid", classid, "htb", "rate",
                          f"{int(bits * share)}bit", "ceil", link, "prio", prio, "burst", burst, "cburst", burst,
                          "quantum", quantum))
-    mask = f"0x{0xffff & ~(SMALL - 1):04x}"  # length < SMALL: its bits above SMALL's are zero
-    for protocol, offset, pref in (("ip", "2", "1"), ("ipv6", "4", "2")):
-        commands.append(("filter", "add", *dev, "parent", "1:", "protocol", protocol, "prio", pref, "u32",
-                         "match", "u16", "0x0000", mask, "at", offset, "flowid", "1:10"))
+    commands += pure_ack_filters(interface)
     if delay:
         commands += [("qdisc", "add", *dev, "parent", classid, "handle", f"{classid[2:]}:", "netem", "delay", delay)
                      for classid in ("1:10", "1:20")]
@@ -327,13 +337,13 @@ def down(quiet=False):
 
 
 def shaping(namespace, interface):
-    """What tc shows on the interface, in a few words: 'htb 100Mbit, small packets first[, netem delay 5ms]'."""
+    """What tc shows on the interface, in a few words: 'htb 100Mbit, acknowledgements first[, ...]'."""
     tc = ("tc", "-n", namespace)
     rate = re.search(r"class htb 1:1 root rate (\S+)", sh(*tc, "class", "show", "dev", interface, check=False).stdout)
     delay = re.search(r"qdisc netem .*?delay (\S+)", sh(*tc, "qdisc", "show", "dev", interface, check=False).stdout)
     if not rate:
         return "unshaped"
-    return f"htb {rate[1]}, small packets first" + (f", netem delay {delay[1]}" if delay else "")
+    return f"htb {rate[1]}, acknowledgements first" + (f", netem delay {delay[1]}" if delay else "")
 
 
 def describe(state):
