@@ -429,12 +429,13 @@ def test_a_recorded_1f1b_step_across_a_slow_link_is_dominated_by_its_hand_offs(c
 @pytest.mark.slow
 @needs_root
 def test_the_shaped_link_is_full_duplex_and_a_gloo_pair_takes_turns(clean):
-    """Both ways at once on two pairs take about as long as one way (the link is full duplex: acknowledgements first);
-    on one pair, about twice (gloo writes a pair's notices and data in order on one socket), which is what the
-    modeled clock's replay across the link assumes (one hand-off at a time between two stages)."""
+    """Both ways at once on two pairs take little more than one way (1.03x to 1.44x measured: TCP's acknowledgements
+    go first; gloo's small notices may still wait behind the other pair's data; behind a plain tbf, 1.46x to 1.68x); on
+    one pair, about twice (gloo writes a pair's notices and data in order on one socket), which is what the modeled
+    clock's replay across the link assumes (one hand-off at a time between two stages)."""
     seconds = duplex.duplex_seconds()
     assert leftovers() == NOTHING
-    assert seconds["both ways, two pairs"] < 1.3 * seconds["one way"], seconds
+    assert seconds["both ways, two pairs"] < 1.5 * seconds["one way"], seconds
     assert seconds["both ways, one pair"] > 1.6 * seconds["one way"], seconds
 
 

@@ -8,19 +8,20 @@ pair, the pair shaped by `tc`.
 Bandwidth is shaped on the egress of both ends of every pair: what leaves node i is shaped on dtfs-n{i}, what
 reaches it on dtfs-h{i}, like a full-duplex network card of that rate. Full duplex needs one thing more than a rate
 limit: a node's egress carries its own data and its TCP acknowledgements of what it receives, and behind a deep
-queue of data (a plain tbf's: 100 ms of the link) an acknowledgement waits for all of it, so each direction's
-sender stalls while the other direction sends. A real card's queue is short, and its wire carries each direction
-on its own. So the shaper is htb with two classes sharing the rate, pure acknowledgements first (as in the
-"wondershaper" of the Linux Advanced Routing & Traffic Control HOWTO; segments with data, however small, keep
-their order). Measured over 100mbit (utils.cluster.duplex), 128 KB each way at once on two gloo pairs: 15.8-18.1
-ms behind tbf, 11.1-11.6 ms with acknowledgements first, against 10.7-10.8 ms one way. The planner's time for the
-four-rank all-reduce ring across two nodes (its edges leave each node one way while the other's come in) was
-0.75-0.94 of the measured median behind tbf, 0.95-0.99 with acknowledgements first (utils.cluster.boundary).
-fq_codel or sfq, the usual cure for such queues, are missing from some kernels (this one); htb and u32 are there
-wherever tc shapes at all. Latency (netem) is added on the node ends only, under both classes, so one way between
-two nodes crosses it once; where the kernel has no netem, none is added and `up` says so. Ranks inside a node talk
-over its loopback (their own address is local: the kernel routes it over lo, unshaped). Everything is named with the
-prefix `dtfs-`, so `down` finds ours and only ours.
+queue of data (a plain tbf's: 100 ms of the link) an acknowledgement waits for all of it, so each direction's sender
+stalls while the other direction sends. A real card's queue is short, and its wire carries each direction on its
+own. So the shaper is htb with two classes sharing the rate, pure acknowledgements first (as in the "wondershaper"
+of the Linux Advanced Routing & Traffic Control HOWTO; segments with data, however small, keep their order).
+Measured over 100mbit (utils.cluster.duplex), 128 KB each way at once on two gloo pairs: 15.8-18.1 ms behind tbf,
+11.1-15.5 ms with acknowledgements first (gloo's small notices, data to TCP, still queue behind the other
+direction's data: a segment with data may not overtake its own connection's), against 10.7-10.8 ms one way. The
+planner's time for the four-rank all-reduce ring across two nodes (its edges leave each node one way while the
+other's come in) was 0.75-0.94 of the measured median behind tbf, 0.92-0.97 with acknowledgements first
+(utils.cluster.boundary). fq_codel or sfq, the usual cure for such queues, are missing from some kernels (this one);
+htb and u32 are there wherever tc shapes at all. Latency (netem) is added on the node ends only, under both classes,
+so one way between two nodes crosses it once; where the kernel has no netem, none is added and `up` says so. Ranks
+inside a node talk over its loopback (their own address is local: the kernel routes it over lo, unshaped).
+Everything is named with the prefix `dtfs-`, so `down` finds ours and only ours.
 """
 import json
 import os
