@@ -4,7 +4,7 @@ in turns (utils.bench.interleaved_samples):
 - both ways, two pairs: rank 0 to rank 2 and rank 3 to rank 1 at once, each on its own gloo pair (TCP socket);
 - both ways, one pair: ranks 0 and 2 send each other one at once, on their one pair.
 On a full-duplex link the first two take about as long. Measured over 100mbit, 128 KB: 10.8 ms one way; both ways on
-two pairs 11.1-15.5 ms (15.8-18.1 ms behind a plain tbf's deep queue, before utils.cluster.network put
+two pairs 11.1-17.9 ms (15.8-18.1 ms behind a plain tbf's deep queue, before utils.cluster.network put
 acknowledgements first: gloo's own small notices, data to TCP, still wait behind the other pair's data); both ways
 on one pair 21.3 ms, with either. The link carries both directions; gloo's pair does not. A gloo send writes its
 data only once the receiver has said it posted its receive (NOTIFY_RECV_READY), and a pair writes everything,

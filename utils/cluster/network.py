@@ -13,7 +13,7 @@ stalls while the other direction sends. A real card's queue is short, and its wi
 own. So the shaper is htb with two classes sharing the rate, pure acknowledgements first (as in the "wondershaper"
 of the Linux Advanced Routing & Traffic Control HOWTO; segments with data, however small, keep their order).
 Measured over 100mbit (utils.cluster.duplex), 128 KB each way at once on two gloo pairs: 15.8-18.1 ms behind tbf,
-11.1-15.5 ms with acknowledgements first (gloo's small notices, data to TCP, still queue behind the other
+11.1-17.9 ms with acknowledgements first (gloo's small notices, data to TCP, still queue behind the other
 direction's data: a segment with data may not overtake its own connection's), against 10.7-10.8 ms one way. The
 planner's time for the four-rank all-reduce ring across two nodes (its edges leave each node one way while the
 other's come in) was 0.75-0.94 of the measured median behind tbf, 0.92-0.97 with acknowledgements first
