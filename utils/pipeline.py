@@ -481,7 +481,8 @@ def play(orders, num_virtual=1, seconds=None, hand_off=0.0, one_way_at_a_time=Fa
     (a send waited for, as Megatron-LM's schedules do and the planner counts it) and arrives when it ends;
     `hand_off` is one number, or one per boundary (entry j between pieces j and j + 1: a link between nodes).
     With `one_way_at_a_time`, a boundary carries one message at a time: an activation and a gradient crossing it
-    together take turns (a link whose two directions do not overlap; the sender waits for its turn).
+    together take turns (two ranks whose one connection carries one direction at a time, as a gloo pair does:
+    utils.cluster.duplex; the sender waits for its turn).
     Computations are played in the order they end, so turns are taken first come, first served.
     Returns (timelines, sends): per rank, (kind, chunk, micro-batch, start, end) in the order run, and the
     (start, end) of each of its sends. A table that waits for something that never runs first: a ValueError."""

@@ -1,5 +1,5 @@
 """The node boundary, measured (notebook 01, section 8): on 2 nodes x 2 ranks of `utils.cluster`, the link between
-the nodes shaped (tbf), what crossing it costs, and whether the planner's link model predicts it.
+the nodes shaped (tc), what crossing it costs, and whether the planner's link model predicts it.
 
 One torchrun run (this file is its script; rank 0 prints the results as one line of JSON) measures:
 - notebook 01's alpha-beta fit of a ping-pong inside a node (ranks 0 and 1, the loopback) and across (0 and 2);

@@ -89,8 +89,9 @@ def modeled(step, alpha=0.0):
     each hand-off across the link the planner's message_seconds on a Link of the configured rate's payload
     (utils.cluster.bench.PAYLOAD_SHARE: headers, not a fit) and latency `alpha`. Hand-offs inside a node are
     left free: 128 KB on the loopback (1-2 GB/s, notebook 01's section 8) take under 1% of a hop across.
-    The link carries one hand-off at a time: measured on this shaped link (utils.cluster.duplex), 128 KB each way at
-    once take about twice one message alone, so an activation and a gradient crossing together take turns."""
+    A boundary carries one hand-off at a time: the link is full duplex, but stages 1 and 2 share one gloo pair, which
+    carries one direction at a time (utils.cluster.duplex: 128 KB each way at once on one pair take twice one message
+    alone), so an activation and a gradient crossing together take turns."""
     nbytes = step.sizes["batch_size"] // step.sizes["num_micro_batches"] * step.sizes["hidden_dim"] * 8  # float64
     across = pl.Link(alpha, step.configured_bits / 8 * PAYLOAD_SHARE)
     hand_offs = [pl.message_seconds(nbytes, across) if step.crosses_link(s) else 0.0
