@@ -89,6 +89,8 @@ def test_a_verdict_claims_the_pairs_its_order_separates():
         {("all_gather", "all_reduce"), ("all_gather", "naive FSDP")}
     assert bench.verdict_relations("this machine cannot separate a and b: their runs overlap") == set()
     assert bench.verdict_relations("fastest to slowest: a ~ b (~: this machine cannot separate them)") == set()
+    assert bench.verdict_relations("m=8, measured idle share: least idle to most idle: 1F1B < GPipe") == \
+        {("1F1B", "GPipe")}  # another measure's chain claims its pairs too
 
 
 def test_a_ratio_verdict_claims_the_faster_of_the_two():

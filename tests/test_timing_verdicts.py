@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 from utils.bench import verdicts_agree, verdicts_contradict
 from utils.notebooks import ROOT, TIMING, retry_kernel_start
 
-VERDICT = re.compile(r"fastest to slowest: |cannot separate | / .+ = [\d.]+ \(runs allow ")
+VERDICT = re.compile(r"fastest to slowest: |least idle to most idle: |cannot separate | / .+ = [\d.]+ \(runs allow ")
 
 
 def timing_cells(nb):

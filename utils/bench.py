@@ -136,14 +136,18 @@ def ratio_verdict(a_name, a, b_name, b):
             f"(ratio {low:.2f} to {high:.2f})")
 
 
+ORDER_ENDS = ("fastest to slowest: ", "least idle to most idle: ")  # how order_verdict's chains begin, in the notebooks
+
+
 def verdict_relations(verdict):
     """What a printed verdict claims, as a set of (faster, slower) pairs; empty when it claims no order. For
     order_verdict's chains (`a < b ~ c < d`: a is faster than b, c and d; b and c than d) and ratio_verdict's
     lines (`a / b = 0.53 ...`: a faster, since the ratio's range lies below 1; above 1, b faster)."""
-    if "cannot separate" in verdict and "fastest to slowest" not in verdict:
+    chain = next((ends for ends in ORDER_ENDS if ends in verdict), None)
+    if "cannot separate" in verdict and chain is None:
         return set()
-    if "fastest to slowest: " in verdict:
-        parts = re.split(r" ([<~]) ", verdict.split("fastest to slowest: ", 1)[1].split(" (~:")[0])
+    if chain:
+        parts = re.split(r" ([<~]) ", verdict.split(chain, 1)[1].split(" (~:")[0])
         names, signs = parts[0::2], parts[1::2]
         groups, group = [], [names[0]]
         for sign, name in zip(signs, names[1:]):
