@@ -15,6 +15,8 @@ kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^
 with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
 context parallel holds s / cp tokens.
 """
+import operator
+
 from utils.planner.describe import rank_layer_counts, rank_layer_kinds
 
 # PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
@@ -57,8 +59,23 @@ def stage_params(model, config, stage=0):
     return dense, experts / config.ep
 
 
+_STATES = {}  # (id(model), the split, stage): (model, states); the search asks again for every micro-batch and knob
+_SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")  # what model states depend on
+
+
 def model_state_bytes(model, config, stage=0):
-    """Parameters, gradients and optimizer states on one device of pipeline rank `stage`, sharded by ZeRO stage."""
+    """Parameters, gradients and optimizer states on one device of pipeline rank `stage`, sharded by ZeRO stage.
+    A new dict each call (callers add to it); computed once per model, split and stage (the entry holds the model,
+    so that its id stays its own)."""
+    key = (id(model), _SPLIT(config), stage)
+    if key not in _STATES:
+        if len(_STATES) >= 8192:
+            _STATES.clear()
+        _STATES[key] = (model, _model_state_bytes(model, config, stage))
+    return dict(_STATES[key][1])
+
+
+def _model_state_bytes(model, config, stage):
     dense, experts = stage_params(model, config, stage)
     data = config.dp * config.cp  # cp ranks hold the same weights: their gradients are summed with dp's
     state = zero_sharded_bytes(dense, model, data, config.zero_stage)
