@@ -57,17 +57,9 @@ class Shape:
     top_k: int = 1
     name: str = "model"
     gpt3: bool = False  # GPT-3's layer as Megatron ran it in 2021-22: biases, learned positions, dropout, no flash
-    # DeepSeek-V2/V3 (their config.json's names; the planner's Model has the same fields): latent attention,
-    # shared experts, dense first layers of intermediate_size (ffn_dim is then the routed experts' width)
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0
-    intermediate_size: int = 0
-    topk_group: int = 0  # node-limited routing: a token's experts on at most this many nodes
+    # DeepSeek-V2/V3's further fields, as (name, value) pairs named as their config.json names them (the planner's
+    # Model takes the same names): latent attention, shared experts, dense first layers, node-limited routing
+    deepseek: tuple = ()
     grad_bytes: int = 2  # bytes of a gradient as kept and reduced: 4 where Megatron-LM trains in bf16 (MEGATRON_BF16)
 
 
@@ -199,8 +191,6 @@ def _known(cls, **values):
 
 
 MLP_MATRICES = {"gelu": 2, "relu": 2, "relu2": 2, "swiglu": 3}
-DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                   "n_shared_experts", "first_k_dense_replace", "intermediate_size", "topk_group")
 
 
 def planner_model(shape, with_missing=False):
@@ -209,7 +199,7 @@ def planner_model(shape, with_missing=False):
                             ffn_dim=shape.ffn_dim, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
                             num_kv_heads=shape.num_kv_heads, num_experts=shape.num_experts, top_k=shape.top_k,
                             ffn_matrices=MLP_MATRICES[shape.mlp], name=shape.name, tied=shape.tied, **gpt3,
-                            grad_bytes=shape.grad_bytes, **{name: getattr(shape, name) for name in DEEPSEEK_FIELDS})
+                            grad_bytes=shape.grad_bytes, **dict(shape.deepseek))
     return (model, missing) if with_missing else model
 
 
@@ -797,9 +787,11 @@ def _others():
                    "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
                    "1 (180K H800 GPU hours per trillion tokens)",
                    Shape(61, 7168, 128, 2048, 129280, 4096, num_experts=256, top_k=8, mlp="swiglu",
-                         name="DeepSeek-V3", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                         qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1, first_k_dense_replace=3,
-                         intermediate_size=18432, topk_group=4),
+                         name="DeepSeek-V3", deepseek=(("q_lora_rank", 1536), ("kv_lora_rank", 512),
+                                                       ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                                                       ("v_head_dim", 128), ("n_shared_experts", 1),
+                                                       ("first_k_dense_replace", 3), ("intermediate_size", 18432),
+                                                       ("topk_group", 4))),
                    "H800-80GB", 2048, 400,
                    Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True, schedule="ZB-H1",
                           ep_overlap=True),
