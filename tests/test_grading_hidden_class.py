@@ -9,6 +9,7 @@ import time
 
 import pytest
 from test_grade import handed_in, run_grader, write_class
+from test_grading_tampers import FORGE_REPORTS_CODE as FORGE_REPORTS
 from test_grading_tampers import _cmdline, checks_digest
 from test_grading_tampers import phone_home_code as phone_home
 
@@ -97,16 +98,6 @@ try:
     get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
 except NameError:
     pass
-'''
-FORGE_REPORTS = '''
-import os, stat
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
-            for index in range(80):
-                os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
-    except OSError:
-        pass
 '''
 EVIL_RETURN = '''
 import os, sys

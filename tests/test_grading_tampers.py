@@ -57,16 +57,17 @@ builtins.print = lambda *args, **kwargs: None
 average_over_ranks.__globals__["check_average_over_ranks"] = lambda *args: None
 ''')
 CUSTOM_EXC = "get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)\n"
-FORGE_REPORTS = indent('''
-import stat
+FORGE_REPORTS_CODE = '''
+import os, stat
 for fd in os.listdir("/proc/self/fd"):
     try:
         if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
-            for index in range(40):
+            for index in range(80):
                 os.write(int(fd), f'{{"index": {index}, "error": null}}\\n'.encode())
     except OSError:
         pass
-''')
+'''  # every pipe the process holds gets made-up reports of passed cells (the hidden class runs it at top level)
+FORGE_REPORTS = indent(FORGE_REPORTS_CODE)
 EVIL_RETURN = indent('''
 class Evil:
     def __reduce__(self):
