@@ -142,6 +142,10 @@ def test_the_runs_frameworks_cost_what_they_do():
     sends = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(pipeline, pp_scatter_gather=g))["pp_s"]
              for g in (True, False)]
     assert sends[1] > 3 * sends[0]  # DeepSpeed's pipeline: every tensor-parallel rank sends the whole tensor
+    whole = dataclasses.replace(pipeline, pp_scatter_gather=False)
+    paired = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(whole, pp_blocking=b)) for b in (False, True)]
+    assert math.isclose(paired[1]["pp_s"], 2 * paired[0]["pp_s"])  # its blocking pairs: two hand-offs per pass
+    assert paired[1]["bubble_s"] > paired[0]["bubble_s"]  # and they lengthen every stage's F and B
 
 
 def test_interleaving_keeps_korthikantis_extra_share_and_the_last_stage_its_logits():

@@ -16,9 +16,9 @@ LAYOUT_WITHIN, LAYOUT_SHARE = 0.10, 0.80  # the published split within 10% of th
 TRAINED_FIT_SHARE = 1.0  # every layout that ran fits
 OOM_SHARE = 1.0  # every layout reported out of memory is predicted out of memory
 EXPRESSED_SHARE = 1.0  # every run is expressible
-# Not yet met (issue 41 is open): 60 of 70 runs (86%) within 15%; the 10 that miss are MT-NLG's three (1.24-1.29),
-# Narayanan et al.'s ZeRO-3 at micro-batch 1 on 1,536 and 2,240 GPUs (1.22, 1.16; 0.99-1.05 while the planner
-# charged dense layers an empty experts' collective, a bug),
+# Not yet met (issue 41 is open): 60 of 70 runs (86%) within 15%; the 10 that miss are MT-NLG's three (1.19-1.23;
+# 1.24-1.29 before DeepSpeed's blocking sends were counted), Narayanan et al.'s ZeRO-3 at micro-batch 1 on 1,536 and
+# 2,240 GPUs (1.22, 1.16; 0.99-1.05 while the planner charged dense layers an empty experts' collective, a bug),
 # Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.77, 0.74: its FP32 gradients, reduced once per step by
 # Meta, per micro-batch by the planner's ZeRO-2; with 2-byte gradients 0.83 and 1.03), torchtitan's 32K-64K-token
 # CP rows (8B CP 1 and 2, 405B CP 1: 0.73-0.85), each with its reason in its record (format_disagreements).
@@ -257,7 +257,7 @@ def test_every_disagreement_says_why(rows):
             assert row["disagreement"], row["name"]
     lines = pr.format_disagreements(rows).splitlines()
     assert lines and all("no cause found" not in line for line in lines)
-    assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.2") for line in lines)
+    assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.1") for line in lines)
 
 
 def test_torchtitans_reserved_memory_is_above_the_prediction(rows):

@@ -84,6 +84,7 @@ class Layout:
     prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer's weights during this one's compute
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
+    pp_blocking: bool = False  # DeepSpeed's pipeline engine: blocking sends and receives in turn (Config.pp_blocking)
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
@@ -223,7 +224,7 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused,
+                       pp_scatter_gather=layout.pp_scatter_gather, pp_blocking=layout.pp_blocking, fused=layout.fused,
                        ep_overlap=layout.ep_overlap, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
@@ -548,7 +549,7 @@ def _mt_nlg():
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
-                       sequence_parallel=False, pp_scatter_gather=False, zero_stages=(0, 1)),
+                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True, zero_stages=(0, 1)),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
@@ -558,11 +559,13 @@ def _mt_nlg():
                              "interleaving, each stage's output sent whole by every tensor-parallel rank "
                              "(deepspeed/runtime/pipe/engine.py sends the tensors the stage returns), which takes "
                              "ZeRO 0 or 1 ('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism', its "
-                             "assertion); no sequence parallelism (2021)."),
-                disagreement=("Ran 1.24-1.29x slower than the planner predicts for its split, with DeepSpeed's "
+                             "assertion); no sequence parallelism (2021). Its TrainSchedule receives and sends in "
+                             "turn, each blocking until the neighbour's pair posts: two hand-offs in series per "
+                             "pass (pp_blocking; deepspeed/runtime/pipe/schedule.py)."),
+                disagreement=("Ran 1.19-1.23x slower than the planner predicts for its split, with DeepSpeed's "
                               "pipeline engine modelled (1F1B without interleaving, whole activations sent by every "
-                              "tensor-parallel rank); the paper gives no breakdown of the rest, and the planner has "
-                              "no cause for it."))
+                              "tensor-parallel rank, blocking sends and receives in turn); the paper gives no "
+                              "breakdown of the rest, and the planner has no cause for it."))
             for nodes, seconds, _ in rows]
 
 
@@ -747,25 +750,26 @@ def _others():
                "configs/20B.yml ('as it was trained on 96x 40GB A100')",
                Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
                Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1,
-                      sequence_parallel=False, pp_scatter_gather=False),
+                      sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True),
                None,
                assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
                             "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
-                            "DeepSpeed's pipeline engine (whole activations from every tensor-parallel rank), no "
-                            "sequence parallelism (2022).",
+                            "DeepSpeed's pipeline engine (whole activations from every tensor-parallel rank, "
+                            "blocking sends and receives in turn), no sequence parallelism (2022).",
                             "No per-GPU throughput found in the stored sources: left out rather than recalled."))
     bloom = Run("bloom 176B", "BigScience, bigscience-workshop/bigscience train/tr11-176B-ml/README.md (layout, "
                 "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
                 Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B"), "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
-                       sequence_parallel=False, pp_scatter_gather=False,
+                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True,
                        stage_layers=(5,) + (6,) * 10 + (5,)),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
                              "Four 100 Gb/s Omni-Path links per node of 8 GPUs: 50 Gb/s per GPU.",
                              "The embedding sits with 5 layers on the first and last stage, 6 layers elsewhere.",
                              "Megatron-DeepSpeed of 2022: DeepSpeed's pipeline engine (1F1B, whole activations "
-                             "from every tensor-parallel rank), no sequence parallelism."))
+                             "from every tensor-parallel rank, blocking sends and receives in turn), no sequence "
+                             "parallelism."))
     metaseq = "facebookresearch/metaseq at f7ffa5fd61 (2023-06)"
     opt = Run("opt 175B", f"Zhang et al. 2022, 'OPT' (arXiv 2205.01068); {metaseq}: projects/OPT/download_opt175b.md "
               "('trained OPT-175B on 124 hosts', '8x tensor parallelism'), "

@@ -380,6 +380,8 @@ class Config:
     pp_scatter_gather: bool = True  # without sequence parallel, each tensor-parallel rank sends 1/tp of the
     #                                 activations to the next stage, gathered there over NVLink (Narayanan et al.
     #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
+    pp_blocking: bool = False  # DeepSpeed's pipeline engine: each step's receive and send blocking and paired, in turn
+    #                            (deepspeed/runtime/pipe/schedule.py, TrainSchedule): two hand-offs in series per pass
     distribute_saved_activations: bool = False  # without sequence parallel, full recomputation's saved layer inputs
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)

@@ -17,7 +17,8 @@ than that computation is exposed.
         (notebook 10; at most topk_group of them between nodes, Model.topk_group), exposed, unless
         Config.ep_overlap (DeepSeek-V3's DualPipe), then what the layer's computation does not hide.
     pp  per micro-batch and piece, the activations forward and their gradient backward, M / t (notebook 04); M
-        from every tensor-parallel rank without sequence parallel and Config.pp_scatter_gather.
+        from every tensor-parallel rank without sequence parallel and Config.pp_scatter_gather; two in series per
+        pass with Config.pp_blocking (DeepSpeed's pipeline engine).
     dp  FSDP (ZeRO-3), per micro-batch and layer: an all-gather forward, prefetched beside the previous layer's
         forward; an all-gather and a reduce-scatter backward, beside the layer's backward; the first gather and the
         last reduce-scatter exposed. ZeRO-2: the reduce-scatter per micro-batch (its gradients are sharded, so each
@@ -43,7 +44,7 @@ from utils.planner.memory import model_state_bytes
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
-CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "float8", "fused", "ep_overlap")
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "float8", "fused", "ep_overlap")
 
 # The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
 # log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
@@ -170,6 +171,11 @@ def _layer_terms(model, cluster, config):
     reduce = dp_layer(reduce_op, model.grad_bytes, *layer_args)
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
     pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
+    # DeepSpeed's pipeline engine (Config.pp_blocking): a forward step receives its input, then sends the previous
+    # step's gradient back; a backward step sends the previous step's output on, then receives its gradient; each
+    # blocking until its neighbour's pair posts ("the communication is blocking and must be paired",
+    # deepspeed/runtime/pipe/schedule.py): two hand-offs in series per pass, where batched isend/irecv pays one
+    pp_send *= 2 if c.pp_blocking else 1
     out_f, out_b = output_layer_seconds(model, cluster, c)
     roots = root_unit_seconds(model, c, *links["dp"])
     return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
