@@ -146,6 +146,14 @@ def test_the_runs_frameworks_cost_what_they_do():
     paired = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(whole, pp_blocking=b)) for b in (False, True)]
     assert math.isclose(paired[1]["pp_s"], 2 * paired[0]["pp_s"])  # its blocking pairs: two hand-offs per pass
     assert paired[1]["bubble_s"] > paired[0]["bubble_s"]  # and they lengthen every stage's F and B
+    # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart, n copies out of PyTorch's flat buffer each, per pass
+    on_demand = dataclasses.replace(fsdp, prefetch=False)
+    gathers = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(on_demand, gather_copies=g))["dp_s"]
+               for g in (False, True)]
+    copies = 2 * LLAMA2_7B.num_layers * LLAMA2_7B.layer_weight_tensors * 64 * cluster.kernel_seconds
+    assert math.isclose(gathers[1] - gathers[0], copies, rel_tol=1e-9)
+    gpt = pl.Model(2, 64, 4, 256, 16, 100, biases=True, learned_positions=True, tied=True, dropout=True)
+    assert (LLAMA2_7B.layer_weight_tensors, MIXTRAL.layer_weight_tensors, gpt.layer_weight_tensors) == (9, 31, 12)
 
 
 def test_interleaving_keeps_korthikantis_extra_share_and_the_last_stage_its_logits():

@@ -16,14 +16,14 @@ LAYOUT_WITHIN, LAYOUT_SHARE = 0.10, 0.80  # the published split within 10% of th
 TRAINED_FIT_SHARE = 1.0  # every layout that ran fits
 OOM_SHARE = 1.0  # every layout reported out of memory is predicted out of memory
 EXPRESSED_SHARE = 1.0  # every run is expressible
-# Not yet met (issue 41 is open): 60 of 70 runs (86%) within 15%; the 10 that miss are MT-NLG's three (1.19-1.23;
-# 1.24-1.29 before DeepSpeed's blocking sends were counted), Narayanan et al.'s ZeRO-3 at micro-batch 1 on 1,536 and
-# 2,240 GPUs (1.22, 1.16; 0.99-1.05 while the planner charged dense layers an empty experts' collective, a bug),
-# Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.77, 0.74: its FP32 gradients, reduced once per step by
-# Meta, per micro-batch by the planner's ZeRO-2; with 2-byte gradients 0.83 and 1.03), torchtitan's 32K-64K-token
-# CP rows (8B CP 1 and 2, 405B CP 1: 0.73-0.85), each with its reason in its record (format_disagreements).
+# Not yet met (issue 41 is open): 62 of 70 runs (89%) within 15%; the 8 that miss are MT-NLG's three (1.19-1.23;
+# 1.24-1.29 before DeepSpeed's blocking sends were counted), Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.77,
+# 0.74: its FP32 gradients, reduced once per step by Meta, per micro-batch by the planner's ZeRO-2; with 2-byte
+# gradients 0.83 and 1.03), torchtitan's 32K-64K-token CP rows (8B CP 1 and 2, 405B CP 1: 0.73-0.85), each with its
+# reason in its record (format_disagreements). Narayanan et al.'s ZeRO-3 rows at micro-batch 1 on 1,536 and 2,240
+# GPUs (1.22, 1.16 before) agree since DeepSpeed 0.3's gathers tensor by tensor are counted (0.88-0.98, all six).
 # 71 of 72 trained layouts fit: Narayanan et al.'s ZeRO-3 530B on 640 GPUs is predicted at 93 GB of 85.9.
-THROUGHPUT_TODAY = 0.85  # the share reached: a regression below it fails
+THROUGHPUT_TODAY = 0.88  # the share reached: a regression below it fails
 # The published split within 10% of the planner's best: 48 of 71 searched runs (68%; 61% before context parallel
 # was kept to flash attention and the ring's per-hop merge was counted), 57 of 71 (80%) among the choices each run's
 # framework offered (utils.planner_runs.LAYOUT_REASONS). Of the 23 beyond 10%: Narayanan et al.'s six ZeRO-3
@@ -241,13 +241,12 @@ def test_every_trained_layout_fits(rows):
 
 
 def test_calibration_and_framework_rows_agree(rows):
-    # Narayanan et al.'s Table 1 (the calibration set) and Table 2 (PTD-P, and ZeRO-3 with DeepSpeed's prefetch of
-    # 2021 off, but at micro-batch 1 on 1,536-2,240 GPUs: pr.ZERO3_MICRO_BATCH_1), Korthikanti et al., Nemotron-4 and
-    # torchtitan's FSDP rows eager, compiled and in Float8
+    # Narayanan et al.'s Table 1 (the calibration set) and Table 2 (PTD-P, and ZeRO-3 as DeepSpeed 0.3 ran it:
+    # prefetch off, each weight tensor gathered apart), Korthikanti et al., Nemotron-4 and torchtitan's FSDP rows
+    # eager, compiled and in Float8
     for row in rows:
         if row["name"].startswith(("megatron21", "korthikanti22", "nemotron4", "torchtitan 8B FSDP 8",
-                                   "torchtitan 8B FSDP 128")) and "CP" not in row["name"] and row["ratio"] \
-                and row["disagreement"] != pr.ZERO3_MICRO_BATCH_1:
+                                   "torchtitan 8B FSDP 128")) and "CP" not in row["name"] and row["ratio"]:
             assert abs(row["ratio"] - 1) <= THROUGHPUT_WITHIN, (row["name"], row["ratio"])
 
 

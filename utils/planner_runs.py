@@ -85,6 +85,7 @@ class Layout:
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: blocking sends and receives in turn (Config.pp_blocking)
+    gather_copies: bool = False  # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart (Config.gather_copies)
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
@@ -224,7 +225,8 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, pp_blocking=layout.pp_blocking, fused=layout.fused,
+                       pp_scatter_gather=layout.pp_scatter_gather, pp_blocking=layout.pp_blocking,
+                       gather_copies=layout.gather_copies, fused=layout.fused,
                        ep_overlap=layout.ep_overlap, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
@@ -463,12 +465,6 @@ ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit; its neigh
              "(82 GB). A 1.9 GB margin is finer than the planner resolves: the whole layer is kept.")
 
 
-ZERO3_MICRO_BATCH_1 = ("At micro-batch 1 on 1,536 and 2,240 GPUs it ran 1.16-1.22x slower than predicted: each "
-                       "layer's on-demand gather and reduce-scatter, over rings of that many ranks, is exposed "
-                       "beside little compute, and the planner counts each as (n - 1) hops of 10 us plus its bytes; "
-                       "the paper gives no breakdown of DeepSpeed's time.")
-
-
 def _narayanan_table2():
     # (scheme, model, GPUs, batch, micro-batch, TFLOP/s per GPU); the 175B: 96 heads, 12288, 96 layers; the 530B:
     # 128, 20480, 105. Model-parallel size 96 is t 8 x p 12 (96 layers), 280 is t 8 x p 35 (105 layers).
@@ -489,7 +485,8 @@ def _narayanan_table2():
                         shapes[model], "A100-80GB", gpus, SELENE,
                         Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
                                recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None,
-                               sequence_parallel=False, prefetch=scheme != "ZeRO-3"),
+                               sequence_parallel=False, prefetch=scheme != "ZeRO-3",
+                               gather_copies=scheme == "ZeRO-3"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",
@@ -497,15 +494,17 @@ def _narayanan_table2():
                                      "ZeRO-3 is DeepSpeed's of early 2021, whose parameter prefetch did not work: "
                                      "'the forward phase is largely bounded by the parameter gathering' "
                                      "(deepspeedai/DeepSpeed issue 1174, June 2021; the tracing fix, PR 1170, "
-                                     "landed after the paper): gathers on demand, exposed (prefetch=False)."),
-                        disagreement=(ZERO3_640 if (scheme, model, gpus) == ("ZeRO-3", "529.6B", 640) else
-                                      ZERO3_MICRO_BATCH_1 if scheme == "ZeRO-3" and mbs == 1 else "")))
+                                     "landed after the paper): gathers on demand, exposed (prefetch=False).",
+                                     "DeepSpeed 0.3's ZeRO-3 (v0.3.15, April 2021) gathers each weight tensor apart, "
+                                     "after a torch.cuda.synchronize(), through PyTorch's list all_gather, which "
+                                     "copies the n ranks' shards out one by one (gather_copies)."),
+                        disagreement=ZERO3_640 if (scheme, model, gpus) == ("ZeRO-3", "529.6B", 640) else ""))
     # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
                     shapes["529.6B"], "A100-80GB", 560, SELENE,
                     Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3,
-                           prefetch=False),
+                           prefetch=False, gather_copies=True),
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",)))

@@ -179,6 +179,17 @@ class Model:
         return self.attention_params + 2 * self.norm_params + router + mlp
 
     @functools.cached_property
+    def layer_weight_tensors(self):
+        """A layer's weight tensors as its module holds them (what a framework gathering tensor by tensor gathers):
+        two norms, attention's matrices, the MLP's (each norm and matrix with its bias, with biases); Megatron-LM's
+        GPT (biases) holds wq, wk and wv as one query_key_value (megatron/model/transformer.py, ParallelSelfAttention):
+        12 tensors; Llama's as torchtitan holds it, 9. A MoE layer's router and experts besides."""
+        attention = len(self.attention_matrices) - 2 * self.biases  # Megatron's fused query_key_value
+        mlps = self.n_shared_experts + self.num_experts if self.moe else 1
+        matrices = attention + self.ffn_matrices * mlps
+        return (2 + matrices) * (1 + self.biases) + self.moe  # + the router
+
+    @functools.cached_property
     def dense_layer(self):
         """The model of the first_k_dense_replace dense layers (DeepSeek-V3's first 3): the same attention, one MLP
         of intermediate_size; None if every layer is alike."""
@@ -382,6 +393,9 @@ class Config:
     #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: each step's receive and send blocking and paired, in turn
     #                            (deepspeed/runtime/pipe/schedule.py, TrainSchedule): two hand-offs in series per pass
+    gather_copies: bool = False  # ZeRO-3 of DeepSpeed 0.3 (2021): each weight tensor gathered apart, waited for,
+    #                              through PyTorch's list all_gather, which copies each of the n ranks' shards out of
+    #                              a flat buffer: n copy kernels per tensor (step.py)
     distribute_saved_activations: bool = False  # without sequence parallel, full recomputation's saved layer inputs
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)

@@ -44,7 +44,8 @@ from utils.planner.memory import model_state_bytes
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
-CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "float8", "fused", "ep_overlap")
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "gather_copies", "float8", "fused",
+           "ep_overlap")
 
 # The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
 # log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
@@ -167,6 +168,8 @@ def _layer_terms(model, cluster, config):
 
     layer_args = (model.layer_dense_params, model.layer_expert_params)
     gather = dp_layer("all_gather", model.param_bytes, *layer_args)
+    if c.gather_copies and c.zero_stage == 3:  # DeepSpeed 0.3's ZeRO-3 (Config.gather_copies)
+        gather += gather_copies_seconds(model, cluster, n)
     reduce_op = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
     reduce = dp_layer(reduce_op, model.grad_bytes, *layer_args)
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
@@ -179,6 +182,19 @@ def _layer_terms(model, cluster, config):
     out_f, out_b = output_layer_seconds(model, cluster, c)
     roots = root_unit_seconds(model, c, *links["dp"])
     return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
+
+
+def gather_copies_seconds(model, cluster, n):
+    """What DeepSpeed 0.3's ZeRO-3 adds to each gather of a layer (Narayanan et al. 2021's ZeRO-3 baseline): its
+    fetch_sub_module gathers each weight tensor apart (deepspeed/runtime/zero/partition_parameters.py at v0.3.15,
+    _allgather_param: torch.cuda.synchronize(), then torch.distributed.all_gather into a list of the n ranks'
+    views), and PyTorch's ProcessGroupNCCL::allgather of a list gathers into a flat buffer and copies each of the n
+    shards out, one copy_ each: n kernels per tensor, each at the device's fixed cost per kernel, waited for before
+    the next tensor's gather starts. Its reduce-scatters (a list too) run on a side stream beside the backward
+    (stage3.py, average_tensor on reduction_stream), as the planner counts them. None at a fixed mfu."""
+    if n == 1 or cluster.mfu is not None:
+        return 0.0
+    return model.layer_weight_tensors * n * cluster.kernel_seconds
 
 
 def ring_merge_seconds(cluster, config, output_elements, kv_block_bytes):
