@@ -153,6 +153,17 @@ def test_the_runs_frameworks_cost_what_they_do():
     copies = 2 * LLAMA2_7B.num_layers * LLAMA2_7B.layer_weight_tensors * 64 * cluster.kernel_seconds
     assert math.isclose(gathers[1] - gathers[0], copies, rel_tol=1e-9)
     gpt = pl.Model(2, 64, 4, 256, 16, 100, biases=True, learned_positions=True, tied=True, dropout=True)
+    # AsyncTP: forward, every tensor-parallel collective hidden behind the products (here all of it); backward, the
+    # reduce-scatters of wq/wk/wv's and w1/w3's summed input gradients exposed (micro_pipeline_tp fuses a
+    # reduce-scatter with one product only), the gathers hidden
+    h100 = pl.cluster("H100 SXM", 64)
+    tp8 = pl.Config(dp=8, tp=8, micro_batch_size=1)
+    plain, asynctp = (pl.estimate(LLAMA2_70B, h100, 8, dataclasses.replace(tp8, tp_overlap=o)) for o in (False, True))
+    activations = LLAMA2_70B.seq_len * LLAMA2_70B.dim * LLAMA2_70B.activation_bytes
+    scatter = pl.collective_seconds("reduce_scatter", 8, activations, h100.intra)
+    assert math.isclose(asynctp["tp_s"], LLAMA2_70B.num_layers * 2 * scatter, rel_tol=1e-9)
+    assert math.isclose(plain["tp_s"], 2 * asynctp["tp_s"] + 2 * LLAMA2_70B.num_layers * 2 * pl.collective_seconds(
+        "all_gather", 8, activations, h100.intra), rel_tol=1e-9)
     assert (LLAMA2_7B.layer_weight_tensors, MIXTRAL.layer_weight_tensors, gpt.layer_weight_tensors) == (9, 31, 12)
 
 

@@ -384,7 +384,8 @@ class Config:
     schedule: str = "1F1B"  # the pipeline's: "1F1B", "interleaved" (v pieces per rank), "ZB-H1"
     v: int = 1  # pieces of the model per pipeline rank (interleaved)
     cp_mode: str = "ring"  # ring attention, or an all-gather of keys and values (Llama 3)
-    tp_overlap: bool = False  # tensor-parallel collectives overlapped with the matrix products they feed
+    tp_overlap: bool = False  # tensor-parallel collectives overlapped with the matrix products they feed (PyTorch's
+    #                           AsyncTP: backward, the column-parallel products' input-gradient reduce-scatters not)
     sequence_parallel: bool = True  # False: Megatron-LM before Korthikanti et al. 2022 (norms, dropout, residuals
     #                                 on every tensor-parallel rank in full; an all-reduce per column/row pair)
     prefetch: bool = True  # ZeRO-3/FSDP gathers a layer's weights beside the previous one's compute; False: on demand

@@ -6,7 +6,8 @@ Overlap is decided layer by layer: a transfer hides behind the computation it ru
 than that computation is exposed.
     tp  per layer, pass and column/row pair (2 per dense layer, 1 per MoE layer): an all-gather and a
         reduce-scatter of the micro-batch's activations M = b (s/cp) h e (sequence parallel, notebook 09); exposed,
-        unless Config.tp_overlap, then what the layer's products do not hide.
+        unless Config.tp_overlap (AsyncTP), then what the layer's products do not hide; backward, the reduce-scatters
+        of the column-parallel products' summed input gradients stay exposed (they fuse with no one product).
     cp  ring attention (notebook 09): keys and values of the rank's heads, K = 2 b (s/cp) kv/t e, hop cp - 1 times
         forward, each hop beside one block of attention: exposed where the block is shorter than the hop; backward
         cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
@@ -132,10 +133,15 @@ def _layer_terms(model, cluster, config):
     activations = tokens * model.dim * e
 
     # per layer and micro-batch: exposed communication, forward and backward
-    pair = on("tp", "all_gather", activations) + on("tp", "reduce_scatter", activations)
-    tp_pass = (1 if model.moe else 2) * pair
+    pairs = 1 if model.moe else 2
+    gathers, scatters = (pairs * on("tp", op, activations) for op in ("all_gather", "reduce_scatter"))
+    tp_pass = gathers + scatters
     tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
-    tp_b = max(0.0, tp_pass - 2 * lt.matmul) if c.tp_overlap else tp_pass
+    # AsyncTP backward (PyTorch's micro-pipeline TP, torch/_inductor/fx_passes/micro_pipeline_tp.py): a gather is
+    # fused with the product that takes it as left operand (the row-parallel wo's and w2's input gradients), a
+    # reduce-scatter only with one product's output (fuse_matmul_reduce_scatter); the input gradient of wq, wk, wv
+    # (of w1, w3) is the sum of their products, so its reduce-scatter stays exposed
+    tp_b = scatters + max(0.0, gathers - 2 * lt.matmul) if c.tp_overlap else tp_pass
     kv_block = tokens * kv_width(model, t) * e
     merge_f = merge_b = 0.0
     if c.cp_mode == "ring":
