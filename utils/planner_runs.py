@@ -685,10 +685,11 @@ def _torchtitan():
     for label, tps, gib in (("2D", 829, 71.9), ("2D + AsyncTP", 876, 67.6)):
         add(4, label, "70B", 256, Layout(dp=32, tp=8, global_batch=512, micro_batch_size=16, recompute="full",
                                          zero_stage=3, float8=True, tp_overlap="AsyncTP" in label), tps, gib)
-    # Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, full recomputation, torch.compile + Float8 + AsyncTP
+    # Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, full recomputation, torch.compile + Float8 + AsyncTP (tp_overlap,
+    # as Tables 5 and 6's titles say)
     for label, v, tps, gib in (("1F1B", 1, 100, 82.5), ("Interleaved 1F1B", 2, 128, 72.7)):
         add(5, label, "405B", 512, Layout(dp=8, tp=8, pp=8, global_batch=256, micro_batch_size=4, recompute="full",
-                                          zero_stage=2, virtual_stages=v, float8=True), tps, gib,
+                                          zero_stage=2, virtual_stages=v, float8=True, tp_overlap=True), tps, gib,
             extra=("8 micro-batches (torchtitan's default: the pipeline degree), so 4 sequences each; interleaved "
                    "with 2 stages per rank.",))
     # Table 6: TP 8 x PP 8 (1F1B) with FSDP x CP, local batch 8, full recomputation, torch.compile + Float8 + AsyncTP
@@ -696,7 +697,7 @@ def _torchtitan():
                                   (1, 8, 262144, 16, 84.9)):
         add(6, f"FSDP {dp} CP {cp}", "405B", 512, Layout(dp=dp, tp=8, pp=8, cp=cp, global_batch=8 * dp,
                                                          micro_batch_size=1, recompute="full", zero_stage=2,
-                                                         float8=True), tps, gib, seq,
+                                                         float8=True, tp_overlap=True), tps, gib, seq,
             extra=("8 micro-batches of 1 (torchtitan's default: the pipeline degree).",), disagreement=cp_rows)
     # docs/performance.md (2024-06): Llama 3 on 64 A100 80GB, FSDP, local batch 1
     older = ("pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06), 'Llama 3 performance numbers', "
