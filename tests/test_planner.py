@@ -153,6 +153,12 @@ def test_the_runs_frameworks_cost_what_they_do():
     copies = 2 * LLAMA2_7B.num_layers * LLAMA2_7B.layer_weight_tensors * 64 * cluster.kernel_seconds
     assert math.isclose(gathers[1] - gathers[0], copies, rel_tol=1e-9)
     gpt = pl.Model(2, 64, 4, 256, 16, 100, biases=True, learned_positions=True, tied=True, dropout=True)
+    # DeepSpeed's BF16_Optimizer: each micro-batch's gradients cast and added into fp32 ones, 18 bytes per parameter
+    pipe = pl.Config(dp=8, tp=4, pp=2, micro_batch_size=1)
+    kept, added = (pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(pipe, accumulate_fp32=a))
+                   for a in (False, True))
+    pass_seconds = max(18 * sum(pl.stage_params(LLAMA2_7B, pipe, stage)) / cluster.hbm_bandwidth for stage in (0, 1))
+    assert math.isclose(added["compute_s"] - kept["compute_s"], kept["micro_batches"] * pass_seconds, rel_tol=1e-6)
     # AsyncTP: forward, every tensor-parallel collective hidden behind the products (here all of it); backward, the
     # reduce-scatters of wq/wk/wv's and w1/w3's summed input gradients exposed (micro_pipeline_tp fuses a
     # reduce-scatter with one product only), the gathers hidden

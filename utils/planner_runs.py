@@ -86,6 +86,7 @@ class Layout:
     pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: blocking sends and receives in turn (Config.pp_blocking)
     gather_copies: bool = False  # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart (Config.gather_copies)
+    accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: gradients added into fp32 ones per micro-batch
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
@@ -226,7 +227,8 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
                        pp_scatter_gather=layout.pp_scatter_gather, pp_blocking=layout.pp_blocking,
-                       gather_copies=layout.gather_copies, fused=layout.fused,
+                       gather_copies=layout.gather_copies, accumulate_fp32=layout.accumulate_fp32,
+                       fused=layout.fused,
                        ep_overlap=layout.ep_overlap, **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
@@ -759,9 +761,10 @@ def _others():
                             "No per-GPU throughput found in the stored sources: left out rather than recalled."))
     bloom = Run("bloom 176B", "BigScience, bigscience-workshop/bigscience train/tr11-176B-ml/README.md (layout, "
                 "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
-                Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B"), "A100-80GB", 384, 50,
+                Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B", grad_bytes=4),
+                "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
-                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True,
+                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True, accumulate_fp32=True,
                        stage_layers=(5,) + (6,) * 10 + (5,)),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
@@ -769,7 +772,11 @@ def _others():
                              "The embedding sits with 5 layers on the first and last stage, 6 layers elsewhere.",
                              "Megatron-DeepSpeed of 2022: DeepSpeed's pipeline engine (1F1B, whole activations "
                              "from every tensor-parallel rank, blocking sends and receives in turn), no sequence "
-                             "parallelism."))
+                             "parallelism.",
+                             "bf16 with DeepSpeed's BF16_Optimizer (the README's 'Data type' and 'Deepspeed config': "
+                             "'--bf16', 'The new BF16_Optimizer implements its own ZeRO Stage 1'): gradients kept and "
+                             "reduced in fp32 (4 bytes), each micro-batch's added into them after its backward "
+                             "(accumulate_fp32)."))
     metaseq = "facebookresearch/metaseq at f7ffa5fd61 (2023-06)"
     opt = Run("opt 175B", f"Zhang et al. 2022, 'OPT' (arXiv 2205.01068); {metaseq}: projects/OPT/download_opt175b.md "
               "('trained OPT-175B on 124 hosts', '8x tensor parallelism'), "

@@ -394,6 +394,8 @@ class Config:
     #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: each step's receive and send blocking and paired, in turn
     #                            (deepspeed/runtime/pipe/schedule.py, TrainSchedule): two hand-offs in series per pass
+    accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added into fp32
+    #                                ones after its backward, a pass over the stage's gradients (step.ACCUMULATE_BYTES)
     gather_copies: bool = False  # ZeRO-3 of DeepSpeed 0.3 (2021): each weight tensor gathered apart, waited for,
     #                              through PyTorch's list all_gather, which copies each of the n ranks' shards out of
     #                              a flat buffer: n copy kernels per tensor (step.py)

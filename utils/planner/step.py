@@ -32,7 +32,8 @@ than that computation is exposed.
     bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
         idle_slots below that (utils.pipeline, notebook 11). F, B, W: the slowest stage's forward, input-gradient
         and weight-gradient times per micro-batch, their exposed communication included.
-    optimizer  Adam on the rank's shard: its states read and written, memory-bound.
+    optimizer  Adam on the rank's shard: its states read and written, memory-bound. With Config.accumulate_fp32
+        (DeepSpeed's BF16_Optimizer), each micro-batch's gradients added into fp32 ones after its backward.
 """
 import functools
 import operator
@@ -41,12 +42,12 @@ from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import kv_width, layer_times, memory_bound_seconds, output_layer_seconds
 from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
-from utils.planner.memory import model_state_bytes
+from utils.planner.memory import model_state_bytes, stage_params
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
-CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "gather_copies", "float8", "fused",
-           "ep_overlap")
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "gather_copies", "accumulate_fp32",
+           "float8", "fused", "ep_overlap")
 
 # The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
 # log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
@@ -61,6 +62,12 @@ CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", 
 # at short sequences cost more than its hops (Megatron-Core's context-parallel guide: CP for long sequences).
 # {fused: (forward bytes per output element, forward kernels, backward bytes per element, backward kernels)}
 RING_HOP_WORK = {False: (38, 11, 10, 6), True: (10, 3, 10, 3)}
+
+
+# DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, update_hp_grads, called by the pipeline engine
+# after each micro-batch's backward since v0.6.2, 'bf16+pipeline parallelism'): every bf16 gradient cast to fp32 (2
+# bytes read, 4 written) and added to the fp32 one (4 + 4 read, 4 written), bytes per parameter of the stage.
+ACCUMULATE_BYTES = 18
 
 
 def bubble_seconds(schedule, num_stages, num_micro_batches, num_virtual=1, forward=1.0, backward=1.0, weight=1.0):
@@ -243,6 +250,9 @@ def _slowest_stage(model, cluster, config):
         for kind, layers in others:  # the routed layers after the dense ones
             more = _layers_part(_per_layer(kind, cluster, c), c, layers, stage, ends=False)
             part = {key: value + more[key] for key, value in part.items()}
+        if c.accumulate_fp32:  # DeepSpeed's BF16_Optimizer: a pass over the stage's gradients per micro-batch
+            accumulate = memory_bound_seconds(ACCUMULATE_BYTES * sum(stage_params(model, c, stage)), cluster)
+            part["B"], part["compute"] = part["B"] + accumulate, part["compute"] + accumulate
         stages.append(part)
     part = max(stages, key=lambda p: p["F"] + p["B"] + p["W"])
     return part, part.pop("per_step")
