@@ -141,7 +141,9 @@ def test_the_runs_frameworks_cost_what_they_do():
     pipeline = pl.Config(dp=8, tp=4, pp=2, micro_batch_size=1, sequence_parallel=False)
     sends = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(pipeline, pp_scatter_gather=g))["pp_s"]
              for g in (True, False)]
-    assert sends[1] > 3 * sends[0]  # DeepSpeed's pipeline: every tensor-parallel rank sends the whole tensor
+    assert sends[1] > 3 * sends[0]  # every tensor-parallel rank sends the whole tensor
+    whole_grads = pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(pipeline, pp_whole_grads=True))["pp_s"]
+    assert math.isclose(whole_grads, (sends[0] + sends[1]) / 2)  # DeepSpeed's before v0.6: activations split only
     whole = dataclasses.replace(pipeline, pp_scatter_gather=False)
     paired = [pl.estimate(LLAMA2_7B, cluster, 64, dataclasses.replace(whole, pp_blocking=b)) for b in (False, True)]
     assert math.isclose(paired[1]["pp_s"], 2 * paired[0]["pp_s"])  # its blocking pairs: two hand-offs per pass

@@ -17,7 +17,8 @@ TRAINED_FIT_SHARE = 1.0  # every layout that ran fits
 OOM_SHARE = 1.0  # every layout reported out of memory is predicted out of memory
 EXPRESSED_SHARE = 1.0  # every run is expressible
 # Throughput, met: 63 of 70 runs (90%) within 15%. The 7 that miss, each with its reason in its record
-# (format_disagreements): MT-NLG's three (1.19-1.23; 1.24-1.29 before DeepSpeed's blocking sends were counted),
+# (format_disagreements): MT-NLG's three (1.23-1.28, with DeepSpeed's pipeline engine as it ran: blocking sends,
+# activations split over the tensor-parallel ranks, gradients whole),
 # Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.78, 0.76: its FP32 gradients, reduced once per step by Meta,
 # per micro-batch by the planner's ZeRO-2), torchtitan's 8B CP rows at 32K and 64K tokens (0.84, 0.73).
 # Narayanan et al.'s ZeRO-3 rows agree since DeepSpeed 0.3's gathers tensor by tensor are counted (0.88-0.98; 1.22
@@ -254,7 +255,7 @@ def test_every_disagreement_says_why(rows):
             assert row["disagreement"], row["name"]
     lines = pr.format_disagreements(rows).splitlines()
     assert lines and all("no cause found" not in line for line in lines)
-    assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.1") for line in lines)
+    assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.2") for line in lines)
 
 
 def test_torchtitans_reserved_memory_is_above_the_prediction(rows):

@@ -83,7 +83,8 @@ class Layout:
     tp_overlap: bool = False  # tensor-parallel collectives overlapped with the products (AsyncTP, TE's userbuffers)
     prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer's weights during this one's compute
     distribute_saved_activations: bool = False  # Megatron's --distribute-checkpointed-activations (without SP)
-    pp_scatter_gather: bool = True  # False: DeepSpeed's pipeline engine, every tensor-parallel rank sends it all
+    pp_scatter_gather: bool = True  # False: every tensor-parallel rank sends the activations whole
+    pp_whole_grads: bool = False  # their gradients sent back whole (DeepSpeed's pipeline engine before v0.6)
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: blocking sends and receives in turn (Config.pp_blocking)
     gather_copies: bool = False  # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart (Config.gather_copies)
     accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: gradients added into fp32 ones per micro-batch
@@ -226,7 +227,8 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
                        float8=layout.float8, sequence_parallel=layout.sequence_parallel,
                        tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
                        distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, pp_blocking=layout.pp_blocking,
+                       pp_scatter_gather=layout.pp_scatter_gather,
+                       pp_whole_grads=layout.pp_whole_grads, pp_blocking=layout.pp_blocking,
                        gather_copies=layout.gather_copies, accumulate_fp32=layout.accumulate_fp32,
                        fused=layout.fused,
                        ep_overlap=layout.ep_overlap, **interleaved)
@@ -550,23 +552,24 @@ def _mt_nlg():
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
-                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True, zero_stages=(0, 1)),
+                       sequence_parallel=False, pp_whole_grads=True, pp_blocking=True, zero_stages=(0, 1)),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
                              "Full recomputation: the printed TFLOP/s count it (4 passes); micro-batch and ZeRO "
                              "stage not printed.",
-                             "DeepSpeed's pipeline engine (section 2.2: 'DeepSpeed and Megatron'): plain 1F1B, no "
-                             "interleaving, each stage's output sent whole by every tensor-parallel rank "
-                             "(deepspeed/runtime/pipe/engine.py sends the tensors the stage returns), which takes "
-                             "ZeRO 0 or 1 ('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism', its "
-                             "assertion); no sequence parallelism (2021). Its TrainSchedule receives and sends in "
-                             "turn, each blocking until the neighbour's pair posts: two hand-offs in series per "
-                             "pass (pp_blocking; deepspeed/runtime/pipe/schedule.py)."),
-                disagreement=("Ran 1.19-1.23x slower than the planner predicts for its split, with DeepSpeed's "
-                              "pipeline engine modelled (1F1B without interleaving, whole activations sent by every "
-                              "tensor-parallel rank, blocking sends and receives in turn); the paper gives no "
-                              "breakdown of the rest, and the planner has no cause for it."))
+                             "DeepSpeed's pipeline engine of 2021 (section 2.2: 'DeepSpeed and Megatron'): plain "
+                             "1F1B, no interleaving; each stage's output split over the tensor-parallel ranks "
+                             "(is_pipe_partitioned, a PartitionedTensor) but its gradient sent back whole by each "
+                             "(is_grad_partitioned False until v0.6.0: deepspeed/runtime/pipe/engine.py at v0.5.0), "
+                             "which takes ZeRO 0 or 1 ('ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                             "parallelism', its assertion); no sequence parallelism (2021). Its TrainSchedule "
+                             "receives and sends in turn, each blocking until the neighbour's pair posts: two "
+                             "hand-offs in series per pass (pp_blocking; deepspeed/runtime/pipe/schedule.py)."),
+                disagreement=("Ran 1.23-1.28x slower than the planner predicts for its split, with DeepSpeed's "
+                              "pipeline engine modelled (1F1B without interleaving, activations split over the "
+                              "tensor-parallel ranks and gradients sent whole, blocking sends and receives in turn); "
+                              "the paper gives no breakdown of the rest, and the planner has no cause for it."))
             for nodes, seconds, _ in rows]
 
 
@@ -752,26 +755,28 @@ def _others():
                "configs/20B.yml ('as it was trained on 96x 40GB A100')",
                Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
                Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1,
-                      sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True),
+                      sequence_parallel=False, pp_whole_grads=True, pp_blocking=True),
                None,
                assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
                             "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
-                            "DeepSpeed's pipeline engine (whole activations from every tensor-parallel rank, "
-                            "blocking sends and receives in turn), no sequence parallelism (2022).",
+                            "DeepSpeed's pipeline engine, as EleutherAI's DeeperSpeed fork of it (assumed before "
+                            "v0.6.0): activations split over the tensor-parallel ranks, their gradients sent whole, "
+                            "blocking sends and receives in turn; no sequence parallelism (2022).",
                             "No per-GPU throughput found in the stored sources: left out rather than recalled."))
     bloom = Run("bloom 176B", "BigScience, bigscience-workshop/bigscience train/tr11-176B-ml/README.md (layout, "
                 "'Throughput'); BigScience's 176B model page (about 150 TFLOPs; 60 GB on each GPU)",
                 Shape(70, 14336, 112, 4 * 14336, 250880, 2048, tied=True, name="BLOOM-176B", grad_bytes=4),
                 "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
-                       sequence_parallel=False, pp_scatter_gather=False, pp_blocking=True, accumulate_fp32=True,
+                       sequence_parallel=False, pp_blocking=True, accumulate_fp32=True,
                        stage_layers=(5,) + (6,) * 10 + (5,)),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
                              "Four 100 Gb/s Omni-Path links per node of 8 GPUs: 50 Gb/s per GPU.",
                              "The embedding sits with 5 layers on the first and last stage, 6 layers elsewhere.",
-                             "Megatron-DeepSpeed of 2022: DeepSpeed's pipeline engine (1F1B, whole activations "
-                             "from every tensor-parallel rank, blocking sends and receives in turn), no sequence "
+                             "Megatron-DeepSpeed of 2022: DeepSpeed's pipeline engine (1F1B, activations and their "
+                             "gradients split over the tensor-parallel ranks as since v0.6.0, is_pipe_partitioned "
+                             "and is_grad_partitioned; blocking sends and receives in turn), no sequence "
                              "parallelism.",
                              "bf16 with DeepSpeed's BF16_Optimizer (the README's 'Data type' and 'Deepspeed config': "
                              "'--bf16', 'The new BF16_Optimizer implements its own ZeRO Stage 1'): gradients kept and "

@@ -391,7 +391,11 @@ class Config:
     prefetch: bool = True  # ZeRO-3/FSDP gathers a layer's weights beside the previous one's compute; False: on demand
     pp_scatter_gather: bool = True  # without sequence parallel, each tensor-parallel rank sends 1/tp of the
     #                                 activations to the next stage, gathered there over NVLink (Narayanan et al.
-    #                                 2021, section 4.1); False: each sends them whole (DeepSpeed's pipeline engine)
+    #                                 2021, section 4.1; DeepSpeed's pipeline engine, PartitionedTensor); False:
+    #                                 each sends them whole
+    pp_whole_grads: bool = False  # the activations' gradients sent back whole by every tensor-parallel rank, the
+    #                               activations split (DeepSpeed's pipeline engine before v0.6: is_grad_partitioned
+    #                               False, is_pipe_partitioned True; deepspeed/runtime/pipe/engine.py)
     pp_blocking: bool = False  # DeepSpeed's pipeline engine: each step's receive and send blocking and paired, in turn
     #                            (deepspeed/runtime/pipe/schedule.py, TrainSchedule): two hand-offs in series per pass
     accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradients added into fp32

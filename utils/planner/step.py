@@ -46,8 +46,8 @@ from utils.planner.memory import model_state_bytes, stage_params
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
-CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_blocking", "gather_copies", "accumulate_fp32",
-           "float8", "fused", "ep_overlap")
+CHOICES = ("sequence_parallel", "prefetch", "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies",
+           "accumulate_fp32", "float8", "fused", "ep_overlap")
 
 # The ring's own work per hop after the first, beside each block's attention kernel: the block's output and
 # log-sum-exp folded into the running ones in fp32 (the online softmax's correction), and the send buffer of keys
@@ -186,12 +186,16 @@ def _layer_terms(model, cluster, config):
     reduce_op = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
     reduce = dp_layer(reduce_op, model.grad_bytes, *layer_args)
     whole = not (c.sequence_parallel or c.pp_scatter_gather)  # every tensor-parallel rank sends all of it
-    pp_send = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
+    split = on("pp", "send", activations / (1 if whole else t)) if c.pp > 1 else 0.0
+    # (activations forward, their gradients backward); Config.pp_whole_grads: the gradients whole from every rank
+    pp_send = (split, on("pp", "send", activations) if c.pp > 1 and c.pp_whole_grads else split)
     # DeepSpeed's pipeline engine (Config.pp_blocking): a forward step receives its input, then sends the previous
     # step's gradient back; a backward step sends the previous step's output on, then receives its gradient; each
     # blocking until its neighbour's pair posts ("the communication is blocking and must be paired",
-    # deepspeed/runtime/pipe/schedule.py): two hand-offs in series per pass, where batched isend/irecv pays one
-    pp_send *= 2 if c.pp_blocking else 1
+    # deepspeed/runtime/pipe/schedule.py): an activation's and a gradient's hand-off in series in every pass, where
+    # batched isend/irecv pays one
+    if c.pp_blocking:
+        pp_send = (sum(pp_send), sum(pp_send))
     out_f, out_b = output_layer_seconds(model, cluster, c)
     roots = root_unit_seconds(model, c, *links["dp"])
     return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
@@ -287,9 +291,9 @@ def _layers_part(per_layer, config, layers, stage, ends=True):
 
     fsdp = c.zero_stage == 3 and n > 1
     # per micro-batch: each group's exposed time, and F, B, W
-    pp_send = pp_send * ends
+    pp_f, pp_b = pp_send if ends else (0.0, 0.0)
     part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
-            "ep": layers * (ep_f + ep_b + ep_f * full), "pp": 2 * c.v * pp_send}
+            "ep": layers * (ep_f + ep_b + ep_f * full), "pp": c.v * (pp_f + pp_b)}
     dp_f = gather + hidden_behind(gather, lt.forward * c.prefetch, layers - 1) if fsdp else 0.0
     dp_b = (hidden_behind(gather + reduce, backward_layer, layers) if c.prefetch else  # gathers on demand
             layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
@@ -302,9 +306,9 @@ def _layers_part(per_layer, config, layers, stage, ends=True):
         dp_b += root_reduce
     last = stage == c.pp - 1 and ends
     part["dp"] = dp_f + dp_b
-    part["F"] = layers * forward_layer + out_f * last + c.v * pp_send + dp_f
+    part["F"] = layers * forward_layer + out_f * last + c.v * pp_f + dp_f
     part["W"] = layers * lt.weight_grad + out_b / 2 * last
-    part["B"] = layers * backward_layer - part["W"] + out_b * last + c.v * pp_send + dp_b
+    part["B"] = layers * backward_layer - part["W"] + out_b * last + c.v * pp_b + dp_b
     part["compute"] = (layers * (lt.forward + merge_f + lt.input_grad + lt.weight_grad + merge_b + recomputed)
                        + (out_f + out_b) * last)
     part["per_step"] = 0.0
