@@ -60,6 +60,7 @@ def test_a_chain_is_held_to_chance_as_a_family():
     assert bench.separated(bench.spread([1] * 6), bench.spread([2] * 6), claims=4)
     assert not bench.separated(bench.spread([1] * 6), bench.spread([2] * 6), claims=5)
     assert bench.separated(bench.spread([1] * 7), bench.spread([2] * 7), claims=17)
+    assert [bench.runs_needed(k) for k in (2, 3, 5, 6, 7, 18, 19)] == [5, 6, 6, 7, 7, 7, 8]
 
 
 def four_apart(runs):

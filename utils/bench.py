@@ -108,6 +108,15 @@ def chance_of_separating(n, m):
     return 2 / math.comb(n + m, n)
 
 
+def runs_needed(variants):
+    """The fewest runs each of `variants` variants needs for order_verdict to be able to separate them: 5 for
+    two, 6 for 3 to 5, 7 for 6 to 18."""
+    runs = 1
+    while chance_of_separating(runs, runs) > CHANCE / max(variants - 1, 1):
+        runs += 1
+    return runs
+
+
 def enough_runs(a, b, claims=1):
     """True when the runs of two Spreads are enough for one of `claims` claims held to CHANCE together."""
     return a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE / claims
