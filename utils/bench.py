@@ -128,10 +128,9 @@ def separated(a, b, claims=1):
     return enough_runs(a, b, claims) and (a.high < b.low or b.high < a.low)
 
 
-def why_not_separated(a, b, claims=1):
+def why_not_separated(a, b):
     if a.high < b.low or b.high < a.low:
-        chain = f" in a chain of {claims + 1}" if claims > 1 else ""
-        return f"{min(a.runs, b.runs)} runs are too few to tell{chain}"
+        return f"{min(a.runs, b.runs)} runs are too few to tell"
     return "their runs overlap"
 
 
@@ -149,9 +148,10 @@ def order_verdict(spreads, ends=("fastest", "slowest")):
     chain, too_few = names[0], set()
     for i, (a, b) in enumerate(zip(names, names[1:])):
         apart = max(spreads[n].high for n in names[:i + 1]) < min(spreads[n].low for n in names[i + 1:])
-        if apart and not enough_runs(spreads[a], spreads[b], claims):
+        enough = enough_runs(spreads[a], spreads[b], claims)
+        if apart and not enough:
             too_few.add(min(spreads[a].runs, spreads[b].runs))
-        chain += f" {'<' if apart and enough_runs(spreads[a], spreads[b], claims) else '~'} {b}"
+        chain += f" {'<' if apart and enough else '~'} {b}"
     tail = ""
     if "~" in chain:
         few = f"; {min(too_few)} runs are too few to tell in a chain of {len(names)}" if too_few else ""
