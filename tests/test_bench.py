@@ -23,8 +23,8 @@ def test_overlapping_spreads_cannot_be_separated_even_when_the_medians_differ():
 
 
 def test_an_order_of_several_marks_the_pairs_it_cannot_separate():
-    spreads = {"c": bench.spread([5, 6, 5, 6, 5]), "b": bench.spread([2.5, 3.5, 3, 3, 3]),
-               "a": bench.spread([1, 3, 2, 2, 2])}
+    spreads = {"c": bench.spread([5, 6, 5, 6, 5, 5]), "b": bench.spread([2.5, 3.5, 3, 3, 3, 3]),
+               "a": bench.spread([1, 3, 2, 2, 2, 2])}
     assert bench.order_verdict(spreads) == "fastest to slowest: a ~ b < c (~: this machine cannot separate them)"
 
 
@@ -49,6 +49,45 @@ def test_three_runs_each_are_too_few_to_claim_an_order_even_when_they_separate()
         "this machine cannot separate fast and slow: 3 runs are too few to tell"
     assert bench.ratio_verdict("slow", slow, "fast", fast).startswith(
         "this machine cannot separate slow and fast: 3 runs are too few to tell (ratio 1.67")
+
+
+def test_a_chain_is_held_to_chance_as_a_family():
+    # a chain of k makes k - 1 claims, each at CHANCE / (k - 1): 5 runs each (1 in 126) are enough for 2
+    # variants, not for 3; 6 each (1 in 462) for up to 5; 7 each (1 in 1716) for up to 18
+    assert bench.chance_of_separating(6, 6) == 1 / 462 and bench.chance_of_separating(7, 7) == 1 / 1716
+    assert bench.separated(bench.spread([1] * 5), bench.spread([2] * 5))
+    assert not bench.separated(bench.spread([1] * 5), bench.spread([2] * 5), claims=2)
+    assert bench.separated(bench.spread([1] * 6), bench.spread([2] * 6), claims=4)
+    assert not bench.separated(bench.spread([1] * 6), bench.spread([2] * 6), claims=5)
+    assert bench.separated(bench.spread([1] * 7), bench.spread([2] * 7), claims=17)
+    assert [bench.runs_needed(k) for k in (2, 3, 5, 6, 7, 18, 19)] == [5, 6, 6, 7, 7, 7, 8]
+
+
+def four_apart(runs):
+    return {name: bench.spread([base + 0.01 * i for i in range(runs)]) for name, base in zip("dcba", (4, 3, 2, 1))}
+
+
+def test_separated_spreads_of_7_runs_give_the_order_of_a_chain():
+    assert bench.order_verdict(four_apart(7)) == "fastest to slowest: a < b < c < d"
+    seven = {f"v{i}": bench.spread([i + 0.01 * j for j in range(7)]) for i in range(7)}
+    assert bench.order_verdict(seven) == "fastest to slowest: v0 < v1 < v2 < v3 < v4 < v5 < v6"
+
+
+def test_5_runs_in_a_chain_of_4_cannot_separate_it():
+    verdict = bench.order_verdict(four_apart(5))
+    assert verdict == ("fastest to slowest: a ~ b ~ c ~ d (~: this machine cannot separate them; 5 runs are too few "
+                       "to tell in a chain of 4)")
+    assert bench.verdict_relations(verdict) == set()
+
+
+def test_a_chain_separates_only_where_every_run_before_is_faster_than_every_run_after():
+    # b and c separate, but a's runs reach into c's: "a ~ b < c" would claim a faster than c
+    spreads = {"a": bench.spread([1, 1, 1, 1, 1, 6.5, 6.5]), "b": bench.spread([4] * 7), "c": bench.spread([6] * 7)}
+    verdict = bench.order_verdict(spreads)
+    assert verdict == "fastest to slowest: a ~ b ~ c (~: this machine cannot separate them)"
+    spreads["a"] = bench.spread([1, 1, 1, 1, 1, 5, 5])
+    assert bench.order_verdict(spreads) == "fastest to slowest: a ~ b < c (~: this machine cannot separate them)"
+    assert bench.verdict_relations(bench.order_verdict(spreads)) == {("a", "c"), ("b", "c")}
 
 
 def test_overlapping_spreads_give_no_ratio():

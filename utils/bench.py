@@ -82,6 +82,14 @@ Spread = collections.namedtuple("Spread", "median low high runs", defaults=(None
 CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that their ranges separate all the same:
 # a notebook prints dozens of verdicts; at 1 in 20 each, a loaded run would contradict some stored one
 
+# A chain of k variants (order_verdict) makes k - 1 claims, one between each pair of neighbours, and the chain is
+# wrong if any one is. Where the variants come in alike neighbours (two that are the same code path, two caps
+# that change nothing), each such pair is one more chance to separate by luck, so the chain is held to CHANCE as
+# a family (Bonferroni): each of its k - 1 claims at CHANCE / (k - 1). Two variants need 5 runs each (1 in 126);
+# a chain of 3 to 5 needs 6 each (1 in 462), of 6 to 18 7 each (1 in 1716). And a `<` in a chain claims every
+# variant before it faster than every one after it (verdict_relations reads it so): it is printed only where
+# all their runs separate, not just the two neighbours'.
+
 
 def spread(samples):
     return Spread(statistics.median(samples), min(samples), max(samples), len(samples))
@@ -96,14 +104,28 @@ def chance_of_separating(n, m):
     """The chance that n runs of one variant and m of another, all alike (drawn from the same spread of the
     machine's noise, in turns), have ranges that do not overlap: of the C(n + m, n) equally likely orders of
     the n + m runs, 2 put one variant's all below the other's. 3 runs each: 1 in 10, too often to claim an order
-    from; 4 each: 1 in 35; 5 each: 1 in 126."""
+    from; 4 each: 1 in 35; 5 each: 1 in 126; 6 each: 1 in 462; 7 each: 1 in 1716."""
     return 2 / math.comb(n + m, n)
 
 
-def separated(a, b):
-    """True when the ranges of two Spreads do not overlap, from runs enough (CHANCE) to say so."""
-    enough = a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE
-    return enough and (a.high < b.low or b.high < a.low)
+def runs_needed(variants):
+    """The fewest runs each of `variants` variants needs for order_verdict to be able to separate them: 5 for
+    two, 6 for 3 to 5, 7 for 6 to 18."""
+    runs = 1
+    while chance_of_separating(runs, runs) > CHANCE / max(variants - 1, 1):
+        runs += 1
+    return runs
+
+
+def enough_runs(a, b, claims=1):
+    """True when the runs of two Spreads are enough for one of `claims` claims held to CHANCE together."""
+    return a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE / claims
+
+
+def separated(a, b, claims=1):
+    """True when the ranges of two Spreads do not overlap, from runs enough to say so: for one claim of
+    `claims` (the k - 1 of a chain of k), each at CHANCE / claims."""
+    return enough_runs(a, b, claims) and (a.high < b.low or b.high < a.low)
 
 
 def why_not_separated(a, b):
@@ -114,15 +136,26 @@ def why_not_separated(a, b):
 
 def order_verdict(spreads, ends=("fastest", "slowest")):
     """The variants from fastest to slowest (or from `ends[0]` to `ends[1]` of another measure), `a < b` where
-    their ranges separate and `a ~ b` where this machine cannot separate them. spreads: {name: Spread}."""
+    every run of the variants up to a is faster than every run of those from b on, from runs enough for the
+    chain's k - 1 claims held to CHANCE together, and `a ~ b` where this machine cannot separate them.
+    spreads: {name: Spread}."""
     names = sorted(spreads, key=lambda name: spreads[name].median)
-    if len(names) == 2 and not separated(*(spreads[name] for name in names)):
+    claims = len(names) - 1
+    if claims == 1:
         a, b = (spreads[name] for name in names)
-        return f"this machine cannot separate {names[0]} and {names[1]}: {why_not_separated(a, b)}"
-    chain = names[0]
-    for a, b in zip(names, names[1:]):
-        chain += f" {'<' if separated(spreads[a], spreads[b]) else '~'} {b}"
-    tail = " (~: this machine cannot separate them)" if "~" in chain else ""
+        if not separated(a, b):
+            return f"this machine cannot separate {names[0]} and {names[1]}: {why_not_separated(a, b)}"
+    chain, too_few = names[0], set()
+    for i, (a, b) in enumerate(zip(names, names[1:])):
+        apart = max(spreads[n].high for n in names[:i + 1]) < min(spreads[n].low for n in names[i + 1:])
+        enough = enough_runs(spreads[a], spreads[b], claims)
+        if apart and not enough:
+            too_few.add(min(spreads[a].runs, spreads[b].runs))
+        chain += f" {'<' if apart and enough else '~'} {b}"
+    tail = ""
+    if "~" in chain:
+        few = f"; {min(too_few)} runs are too few to tell in a chain of {len(names)}" if too_few else ""
+        tail = f" (~: this machine cannot separate them{few})"
     return f"{ends[0]} to {ends[1]}: {chain}{tail}"
 
 
