@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from utils.bench import (bytes_on_the_wire, fit_alpha_beta, format_bytes, format_spread, interleaved_samples,
-                         order_verdict, ping_pong_main, ratio_verdict, spread)
+                         order_verdict, ping_pong_main, ratio_verdict, runs_needed, spread)
 from utils.cluster import network
 from utils.cluster.bench import PAYLOAD_SHARE
 from utils.cluster.bench import message_sizes as sizes_for
@@ -129,10 +129,11 @@ def check_sizes(inside_sizes, across_sizes, all_reduce_sizes, batch_size, hidden
 
 
 def measure(link=LINK, inside_sizes=INSIDE_SIZES, across_sizes=None, all_reduce_sizes=ALL_REDUCE_SIZES,
-            batch_size=TP_BATCH_SIZE, hidden_dim=TP_HIDDEN_DIM, repeat=5, timeout=600.0):
-    """Everything above on 2 nodes x 2 ranks, on a cluster made for it (removed after, whatever happens: run's own
-    try/finally) or on the one `up` made. The results, with the link's configured rate in bits per second; None,
-    having said why, where the nodes cannot be built."""
+            batch_size=TP_BATCH_SIZE, hidden_dim=TP_HIDDEN_DIM, repeat=runs_needed(len(LAYOUTS)), timeout=600.0):
+    """Everything above on 2 nodes x 2 ranks (each timing `repeat` runs: enough to order the three layouts), on a
+    cluster made for it (removed after, whatever happens: run's own try/finally) or on the one `up` made. The
+    results, with the link's configured rate in bits per second; None, having said why, where the nodes cannot be
+    built."""
     across_sizes = sizes_for(link) if across_sizes is None else across_sizes
     check_sizes(inside_sizes, across_sizes, all_reduce_sizes, batch_size, hidden_dim, repeat)
     reason = why_not_here()
