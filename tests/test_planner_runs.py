@@ -32,7 +32,7 @@ THROUGHPUT_TODAY = 0.85  # the share reached: a regression below it fails
 # et al.'s one-replica 22B (1.14), Llama 3 405B (1.10-1.30: the published split's interleaved schedule does not fit
 # in the planner's memory count, so its bubble is ZB-H1's; the best adds CP 4 at 8K), Megatron-LM 2021 18.4B (1.14),
 # Megatron-LM 2024 70B (1.11) and OPT (1.13): each with its reason (format_layout_ranks).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.67, 0.80  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.61, 0.68  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -195,6 +195,20 @@ def test_deepseek_v3_counts_as_its_report():
 def test_layout_rank_of_a_small_run():
     rank, gap, best = pr.layout_rank(RUNS["megatron21 1.7B"])  # 32 GPUs: a search of a fraction of a second
     assert rank >= 1 and gap >= 1 and best["fits"] and (gap > 1) == (rank > 1)
+
+
+def test_the_search_prices_every_layout_as_the_runs_framework_ran():
+    run = RUNS["megatron21 1.7B"]  # no sequence parallel (2021): the search's rows priced without it too
+    published = pr.estimate_published(run)
+    rows = pr.search_plan(run, micro_batch_sizes=(published["micro_batch_size"],),
+                          recomputes=(published["recompute"],), zero_stages=(published["zero_stage"],))
+    same = [r for r in rows if all(r[k] == published[k] for k in ("dp", "tp", "pp", "cp", "ep", "schedule", "v"))]
+    assert same and same[0]["step_s"] == published["step_s"] and same[0]["sequence_parallel"] is False
+    assert pr.framework_settings(run.layout)["sequence_parallel"] is False
+    default = pl.plan(pr.planner_model(run.shape), pr.planner_cluster(run), run.layout.global_batch,
+                      micro_batch_sizes=(published["micro_batch_size"],), recomputes=(published["recompute"],),
+                      zero_stages=(published["zero_stage"],))
+    assert all(r["sequence_parallel"] for r in default)  # without settings: the planner's defaults
 
 
 def test_layout_reasons_name_runs_and_sources_and_keep_to_plan_columns():

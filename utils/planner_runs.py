@@ -212,6 +212,17 @@ def planner_cluster(run, with_missing=False):
     return (cluster, []) if with_missing else cluster
 
 
+SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
+            "pp_scatter_gather", "fused", "ep_overlap")
+
+
+def framework_settings(layout):
+    """{Config field: value} of what the run's framework did, whatever the split: the planner prices the published
+    layout and, in the search, every alternative with them (an alternative is what the same framework would have
+    run)."""
+    return {name: getattr(layout, name) for name in SETTINGS}
+
+
 def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stages, with_missing=False):
     """The planner's Config; an uneven split of layers other than the planner's own rule is what the planner
     cannot take (listed with with_missing=True)."""
@@ -220,11 +231,7 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
         interleaved = {"schedule": layout.schedule}
     config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                        micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
-                       float8=layout.float8, sequence_parallel=layout.sequence_parallel,
-                       tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
-                       distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather, fused=layout.fused,
-                       ep_overlap=layout.ep_overlap, **interleaved)
+                       **framework_settings(layout), **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -275,8 +282,15 @@ def layout_rank(run, offered=None, **choices):
     each at its best knobs (1: the planner's first choice), its best step over the planner's best, and the planner's
     best row; (None, None, best) if the planner lists no fitting configuration of that split. offered: {column:
     allowed values}, the search kept to what the run's framework offered (Reason.offered)."""
-    rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch, **choices)
+    rows = search_plan(run, **choices)
     return _rank(run, rows, offered)
+
+
+def search_plan(run, **choices):
+    """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
+    settings (framework_settings)."""
+    return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
+                   settings=framework_settings(run.layout), **choices)
 
 
 def _rank(run, rows, offered=None):
@@ -318,7 +332,7 @@ def validate(runs, search=True):
                 if row["reported_gb"] is not None:
                     row["memory_ratio"] = row["predicted_gb"] / row["reported_gb"]
                 if search and not run.oom:
-                    plan = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch)
+                    plan = search_plan(run)
                     row["rank"], row["gap"], row["best"] = _rank(run, plan)
                     reason = LAYOUT_REASONS.get(run.name)
                     if reason and reason.offered:  # the gap among what the run's framework offered
