@@ -211,6 +211,13 @@ def test_the_search_prices_every_layout_as_the_runs_framework_ran():
     assert all(r["sequence_parallel"] for r in default)  # without settings: the planner's defaults
 
 
+def test_the_search_offers_only_the_zero_stages_of_the_runs_framework():
+    megatron = RUNS["megatron24 1.7B"]  # Megatron-LM of 2024: ZeRO 0 or 1 (its distributed optimizer), no FSDP
+    assert megatron.layout.zero_stages == (0, 1)
+    assert {r["zero_stage"] for r in pr.search_plan(megatron, micro_batch_sizes=(4,))} == {1}
+    assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {1, 3}
+
+
 def test_layout_reasons_name_runs_and_sources_and_keep_to_plan_columns():
     columns = set(pl.COLUMNS) | {"schedule"}
     assert pr.LAYOUT_REASONS and set(pr.LAYOUT_REASONS) <= set(RUNS)

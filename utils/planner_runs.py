@@ -288,7 +288,10 @@ def layout_rank(run, offered=None, **choices):
 
 def search_plan(run, **choices):
     """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
-    settings (framework_settings)."""
+    settings (framework_settings) and given only the ZeRO stages that framework offers (Layout.zero_stages: ZeRO-1
+    for 0 and 2 where offered, as the planner's search takes them, ZeRO-1 being as fast as 0 in less memory)."""
+    offered = run.layout.zero_stages
+    choices.setdefault("zero_stages", tuple(z for z in (1, 3) if z in offered) or (max(offered),))
     return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
                    settings=framework_settings(run.layout), **choices)
 
