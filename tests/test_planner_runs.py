@@ -218,6 +218,20 @@ def test_the_search_offers_only_the_zero_stages_of_the_runs_framework():
     assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {1, 3}
 
 
+def test_the_layout_terms_show_what_makes_the_planners_best_faster():
+    row, = pr.validate([RUNS["korthikanti22 22B full"]])  # 8 GPUs: its published TP 8 against the planner's best
+    published, best = row["published"], row["best"]
+    assert row["gap"] == pytest.approx(published["step_s"] / best["step_s"]) and row["gap"] > 1 + LAYOUT_WITHIN
+    assert (published["dp"], published["tp"]) == (1, 8)
+    first, heads, differences = pr.format_layout_terms([row]).splitlines()
+    assert first.startswith("korthikanti22 22B full (gap 1.") and "published dp1 tp8" in first
+    assert heads.split() == ["compute", "tp", "cp", "ep", "pp", "dp", "bubble", "optimizer", "step"]
+    values = [float(v) for v in differences.split()]
+    assert values[-1] == pytest.approx(published["step_s"] - best["step_s"], abs=0.01)
+    assert values[1] == max(values[:-1])  # TP 8's exposed collectives: the term that makes the best faster
+    assert pr.format_layout_terms([row], within=0.5) == ""
+
+
 def test_layout_reasons_name_runs_and_sources_and_keep_to_plan_columns():
     columns = set(pl.COLUMNS) | {"schedule"}
     assert pr.LAYOUT_REASONS and set(pr.LAYOUT_REASONS) <= set(RUNS)

@@ -307,6 +307,39 @@ def _rank(run, rows, offered=None):
     return 1 + sum(step < published for step in best.values()), published / min(best.values()), rows[0]
 
 
+def published_row(run, rows):
+    """The plan's row of the published split at its best knobs (the fastest of that split), or None."""
+    split = tuple(getattr(run.layout, a) for a in LAYOUT_AXES)
+    return next((r for r in rows if tuple(r[a] for a in LAYOUT_AXES) == split), None)
+
+
+TERMS = ("compute_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "bubble_s", "optimizer_s", "step_s")
+
+
+def _knobs(row):
+    split = " ".join(f"{a}{row[a]}" for a in LAYOUT_AXES)
+    schedule = f"{row['schedule']}{row['v']}" if row["pp"] > 1 else ""
+    return (f"{split} mbs{row['micro_batch_size']} {schedule} {row['recompute']} zero{row['zero_stage']} "
+            f"{row['memory_gb']:.0f} GB").replace("  ", " ")
+
+
+def format_layout_terms(rows, within=0.10):
+    """For each searched run whose published split is more than `within` behind the planner's best: both rows'
+    knobs and memory, and their step times term by term (seconds per step: compute with its recomputation, each
+    group's exposed communication, the bubble, the optimizer), published minus best: the term that makes the
+    alternative cheaper stands out."""
+    heads = [t[:-2] for t in TERMS]
+    lines = []
+    for row in rows:
+        published, best = row.get("published"), row.get("best")
+        if not row.get("searched") or published is None or row["gap"] <= 1 + within:
+            continue
+        lines.append(f"{row['name']} (gap {row['gap']:.2f}): published {_knobs(published)}; best {_knobs(best)}")
+        lines.append("  " + " ".join(f"{h:>9}" for h in heads))
+        lines.append("  " + " ".join(f"{published[t] - best[t]:+9.2f}" for t in TERMS))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- validation
 
 def validate(runs, search=True):
@@ -337,6 +370,7 @@ def validate(runs, search=True):
                 if search and not run.oom:
                     plan = search_plan(run)
                     row["rank"], row["gap"], row["best"] = _rank(run, plan)
+                    row["published"] = published_row(run, plan)
                     reason = LAYOUT_REASONS.get(run.name)
                     if reason and reason.offered:  # the gap among what the run's framework offered
                         row["offered_gap"] = _rank(run, plan, reason.offered)[1]
