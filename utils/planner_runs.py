@@ -906,24 +906,28 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"llama3 ": Reason(
         "CP only to reach 131K tokens; at 8K, TP 8 in a node and Meta's interleaving (beyond the planner's memory)",
         LLAMA3_SOURCE, {"cp": {1}}),
-    r"torchtitan 70B A100": Reason(
+    r"torchtitan \d+B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
         "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),
     r"torchtitan 8B FSDP \d+ CP ": Reason(
-        "a benchmark of FSDP x CP on 8 GPUs as the sequence grows, with Float8 and torch.compile (not modelled)",
+        "a benchmark of FSDP x CP on 8 GPUs as the sequence grows (Float8, torch.compile, full recomputation)",
         TORCHTITAN.format(2), {"tp": {1}, "pp": {1}}),
     r"torchtitan 70B 2D": Reason(
-        "a benchmark of 2D (FSDP x TP 8), with Float8 and torch.compile, which the planner does not model",
+        "a benchmark of 2D (FSDP x TP 8) with Float8 and torch.compile, its TP exposed without AsyncTP",
         TORCHTITAN.format(4), {"pp": {1}, "cp": {1}}),
     r"torchtitan 405B FSDP \d+ CP ": Reason(
-        "a benchmark of CP as the sequence grows, at the 3D layout's TP 8 x PP 8, with Float8 (not modelled)",
+        "a benchmark of CP as the sequence grows, at the 3D layout's TP 8 x PP 8 (Float8, full recomputation)",
         TORCHTITAN.format(6), {"tp": {8}, "pp": {8}}),
     r"torchtitan 405B (1F1B|Interleaved)": Reason(
-        "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), with Float8 (not modelled)",
+        "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), Float8, full recomputation",
         TORCHTITAN.format(5)),
     r"opt 175B": Reason(
         "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
         "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
+    r"deepseek-v3 ": Reason(
+        "TP avoided by design; DeepSeek recomputed only norms and MLA up-projections, the planner needs full recompute",
+        "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), sections 3.2 and 3.2.3",
+        {"tp": {1}, "cp": {1}}),
     r"megatron24 ": Reason(
         "a weak-scaling table: data parallel 48 for every size, the model-parallel size grown with the model",
         "NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability'", {"dp": {48}}),
