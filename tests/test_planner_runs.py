@@ -218,6 +218,14 @@ def test_the_search_offers_only_the_zero_stages_of_the_runs_framework():
     assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {1, 3}
 
 
+def test_the_search_offers_the_knobs_a_run_states():
+    # torchtitan's selective_op is not one of the planner's searched modes; the published split is ranked at it too
+    rows = pr.search_plan(RUNS["torchtitan 8B FSDP 8"])
+    assert "selective_op" in {r["recompute"] for r in rows} and {r["zero_stage"] for r in rows} == {1, 3}
+    published = pr.published_row(RUNS["torchtitan 8B FSDP 8"], rows)
+    assert published["step_s"] <= pr.estimate_published(RUNS["torchtitan 8B FSDP 8"])["step_s"]
+
+
 def test_the_layout_terms_show_what_makes_the_planners_best_faster():
     row, = pr.validate([RUNS["korthikanti22 22B full"]])  # 8 GPUs: its published TP 8 against the planner's best
     published, best = row["published"], row["best"]

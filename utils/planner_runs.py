@@ -289,9 +289,18 @@ def layout_rank(run, offered=None, **choices):
 def search_plan(run, **choices):
     """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
     settings (framework_settings) and given only the ZeRO stages that framework offers (Layout.zero_stages: ZeRO-1
-    for 0 and 2 where offered, as the planner's search takes them, ZeRO-1 being as fast as 0 in less memory)."""
-    offered = run.layout.zero_stages
-    choices.setdefault("zero_stages", tuple(z for z in (1, 3) if z in offered) or (max(offered),))
+    standing for 0 and 2 where offered, as the planner's search takes them, ZeRO-1 being as fast as 0 in less
+    memory). The knobs the run states are searched too, where the planner's choices lack them (Llama 3's ZeRO-2,
+    with less memory than ZeRO-1; torchtitan's selective_op recomputation and local batch of 16): the published
+    split is ranked at its own knobs or better."""
+    layout, offered = run.layout, run.layout.zero_stages
+    searched = {"zero_stages": tuple(z for z in (1, 3) if z in offered) or (max(offered),),
+                "recomputes": pl.RECOMPUTE, "micro_batch_sizes": (1, 2, 4, 8)}
+    zero = 1 if layout.zero_stage == 0 and 1 in searched["zero_stages"] else layout.zero_stage  # 1 as fast, smaller
+    for name, stated in (("zero_stages", zero), ("recomputes", layout.recompute),
+                         ("micro_batch_sizes", layout.micro_batch_size)):
+        if name not in choices:
+            choices[name] = searched[name] + ((stated,) if stated is not None and stated not in searched[name] else ())
     return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
                    settings=framework_settings(run.layout), **choices)
 
