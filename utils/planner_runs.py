@@ -354,8 +354,8 @@ def format_layout_terms(rows, within=0.10):
 def validate(runs, search=True):
     """A row per run: reported and predicted step seconds and memory (GB), the ratios of predicted to reported
     throughput and memory, whether the planner fits it (and whether the source says it ran out of memory), the
-    published split's rank and gap in the planner's search (search=False skips the search: the whole table in under
-    a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
+    published split's rank and gap in the planner's search, with the search's best row and the published split's
+    ('best', 'published': format_layout_terms; search=False skips the search: the whole table in under a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
     lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
     rows = []
     for run in runs:
