@@ -406,15 +406,20 @@ def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
     return sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"], r["memory_gb"]))
 
 
-@pytest.mark.parametrize("model, devices, batch", [(LLAMA2_70B, 16, 32), (MIXTRAL, 16, 16)])
-def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, devices, batch, monkeypatch):
+@pytest.mark.parametrize("model, devices, batch, settings", [
+    (LLAMA2_70B, 16, 32, None), (MIXTRAL, 16, 16, None),
+    (LLAMA2_70B, 16, 32, {"sequence_parallel": False, "fused": False, "prefetch": False})])
+def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, devices, batch, settings,
+                                                                         monkeypatch):
     cluster = pl.Cluster(devices, **H100)  # the 70B: some splits do not fit; ZB-H1 beside 1F1B; experts over ep
-    choices = {"micro_batch_sizes": (1, 2) if model is LLAMA2_70B else (1,), "zero_stages": (0, 2, 3)}
+    choices = {"micro_batch_sizes": (1, 2) if model is LLAMA2_70B else (1,), "zero_stages": (0, 2, 3),
+               "settings": settings}  # a framework's settings: every config priced with them
     searched = pl.plan(model, cluster, batch, **choices)
     every = pl.estimates(model, cluster, batch, **choices)
     plain = _uncached_plan(model, cluster, batch, monkeypatch, **choices)
     assert searched and searched == plain
     assert every == [pl.estimate(model, cluster, batch, c) for c in pl.configs(model, cluster, batch, **choices)]
+    assert all(r[k] == v for r in searched for k, v in (settings or {}).items())
 
 
 @pytest.mark.slow  # two searches of 1.5-2 s of one core each (more on a loaded machine)

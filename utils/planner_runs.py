@@ -216,6 +216,18 @@ def planner_cluster(run, with_missing=False):
     return (cluster, []) if with_missing else cluster
 
 
+SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
+            "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
+            "ep_overlap")
+
+
+def framework_settings(layout):
+    """{Config field: value} of what the run's framework did, whatever the split: the planner prices the published
+    layout and, in the search, every alternative with them (an alternative is what the same framework would have
+    run)."""
+    return {name: getattr(layout, name) for name in SETTINGS}
+
+
 def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stages, with_missing=False):
     """The planner's Config; an uneven split of layers other than the planner's own rule is what the planner
     cannot take (listed with with_missing=True)."""
@@ -224,14 +236,7 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
         interleaved = {"schedule": layout.schedule}
     config = pl.Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                        micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
-                       float8=layout.float8, sequence_parallel=layout.sequence_parallel,
-                       tp_overlap=layout.tp_overlap, prefetch=layout.prefetch,
-                       distribute_saved_activations=layout.distribute_saved_activations,
-                       pp_scatter_gather=layout.pp_scatter_gather,
-                       pp_whole_grads=layout.pp_whole_grads, pp_blocking=layout.pp_blocking,
-                       gather_copies=layout.gather_copies, accumulate_fp32=layout.accumulate_fp32,
-                       fused=layout.fused,
-                       ep_overlap=layout.ep_overlap, **interleaved)
+                       **framework_settings(layout), **interleaved)
     missing = []
     if layout.stage_layers and layout.stage_layers != pl.stage_layer_counts(sum(layout.stage_layers), layout.pp):
         missing.append("stage_layers")
@@ -282,8 +287,27 @@ def layout_rank(run, offered=None, **choices):
     each at its best knobs (1: the planner's first choice), its best step over the planner's best, and the planner's
     best row; (None, None, best) if the planner lists no fitting configuration of that split. offered: {column:
     allowed values}, the search kept to what the run's framework offered (Reason.offered)."""
-    rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch, **choices)
+    rows = search_plan(run, **choices)
     return _rank(run, rows, offered)
+
+
+def search_plan(run, **choices):
+    """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
+    settings (framework_settings) and given only the ZeRO stages that framework offers (Layout.zero_stages: ZeRO-1
+    standing for 0 and 2 where offered, as the planner's search takes them, ZeRO-1 being as fast as 0 in less
+    memory). The knobs the run states are searched too, where the planner's choices lack them (Llama 3's ZeRO-2,
+    with less memory than ZeRO-1; torchtitan's selective_op recomputation and local batch of 16): the published
+    split is ranked at its own knobs or better."""
+    layout, offered = run.layout, run.layout.zero_stages
+    searched = {"zero_stages": tuple(z for z in (1, 3) if z in offered) or (max(offered),),
+                "recomputes": pl.RECOMPUTE, "micro_batch_sizes": (1, 2, 4, 8)}
+    zero = 1 if layout.zero_stage == 0 and 1 in searched["zero_stages"] else layout.zero_stage  # 1 as fast, smaller
+    for name, stated in (("zero_stages", zero), ("recomputes", layout.recompute),
+                         ("micro_batch_sizes", layout.micro_batch_size)):
+        if name not in choices:
+            choices[name] = searched[name] + ((stated,) if stated is not None and stated not in searched[name] else ())
+    return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
+                   settings=framework_settings(run.layout), **choices)
 
 
 def _rank(run, rows, offered=None):
@@ -297,13 +321,46 @@ def _rank(run, rows, offered=None):
     return 1 + sum(step < published for step in best.values()), published / min(best.values()), rows[0]
 
 
+def published_row(run, rows):
+    """The plan's row of the published split at its best knobs (the fastest of that split), or None."""
+    split = tuple(getattr(run.layout, a) for a in LAYOUT_AXES)
+    return next((r for r in rows if tuple(r[a] for a in LAYOUT_AXES) == split), None)
+
+
+TERMS = ("compute_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "bubble_s", "optimizer_s", "step_s")
+
+
+def _knobs(row):
+    split = " ".join(f"{a}{row[a]}" for a in LAYOUT_AXES)
+    schedule = f"{row['schedule']}{row['v']}" if row["pp"] > 1 else ""
+    return (f"{split} mbs{row['micro_batch_size']} {schedule} {row['recompute']} zero{row['zero_stage']} "
+            f"{row['memory_gb']:.0f} GB").replace("  ", " ")
+
+
+def format_layout_terms(rows, within=0.10):
+    """For each searched run whose published split is more than `within` behind the planner's best: both rows'
+    knobs and memory, and their step times term by term (seconds per step: compute with its recomputation, each
+    group's exposed communication, the bubble, the optimizer), published minus best: the term that makes the
+    alternative cheaper stands out."""
+    heads = [t[:-2] for t in TERMS]
+    lines = []
+    for row in rows:
+        published, best = row.get("published"), row.get("best")
+        if not row.get("searched") or published is None or row["gap"] <= 1 + within:
+            continue
+        lines.append(f"{row['name']} (gap {row['gap']:.2f}): published {_knobs(published)}; best {_knobs(best)}")
+        lines.append("  " + " ".join(f"{h:>9}" for h in heads))
+        lines.append("  " + " ".join(f"{published[t] - best[t]:+9.2f}" for t in TERMS))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- validation
 
 def validate(runs, search=True):
     """A row per run: reported and predicted step seconds and memory (GB), the ratios of predicted to reported
     throughput and memory, whether the planner fits it (and whether the source says it ran out of memory), the
-    published split's rank and gap in the planner's search (search=False skips the search: the whole table in under
-    a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
+    published split's rank and gap in the planner's search, with the search's best row and the published split's
+    ('best', 'published': format_layout_terms; search=False skips the search: the whole table in under a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
     lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
     rows = []
     for run in runs:
@@ -325,8 +382,9 @@ def validate(runs, search=True):
                 if row["reported_gb"] is not None:
                     row["memory_ratio"] = row["predicted_gb"] / row["reported_gb"]
                 if search and not run.oom:
-                    plan = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch)
+                    plan = search_plan(run)
                     row["rank"], row["gap"], row["best"] = _rank(run, plan)
+                    row["published"] = published_row(run, plan)
                     reason = LAYOUT_REASONS.get(run.name)
                     if reason and reason.offered:  # the gap among what the run's framework offered
                         row["offered_gap"] = _rank(run, plan, reason.offered)[1]
@@ -871,24 +929,28 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"llama3 ": Reason(
         "CP only to reach 131K tokens; at 8K, TP 8 in a node and Meta's interleaving (beyond the planner's memory)",
         LLAMA3_SOURCE, {"cp": {1}}),
-    r"torchtitan 70B A100": Reason(
+    r"torchtitan \d+B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
         "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),
     r"torchtitan 8B FSDP \d+ CP ": Reason(
-        "a benchmark of FSDP x CP on 8 GPUs as the sequence grows, with Float8 and torch.compile (not modelled)",
+        "a benchmark of FSDP x CP on 8 GPUs as the sequence grows (Float8, torch.compile, full recomputation)",
         TORCHTITAN.format(2), {"tp": {1}, "pp": {1}}),
     r"torchtitan 70B 2D": Reason(
-        "a benchmark of 2D (FSDP x TP 8), with Float8 and torch.compile, which the planner does not model",
+        "a benchmark of 2D (FSDP x TP 8) with Float8 and torch.compile, its TP exposed without AsyncTP",
         TORCHTITAN.format(4), {"pp": {1}, "cp": {1}}),
     r"torchtitan 405B FSDP \d+ CP ": Reason(
-        "a benchmark of CP as the sequence grows, at the 3D layout's TP 8 x PP 8, with Float8 (not modelled)",
+        "a benchmark of CP as the sequence grows, at the 3D layout's TP 8 x PP 8 (Float8, full recomputation)",
         TORCHTITAN.format(6), {"tp": {8}, "pp": {8}}),
     r"torchtitan 405B (1F1B|Interleaved)": Reason(
-        "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), with Float8 (not modelled)",
+        "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), Float8, full recomputation",
         TORCHTITAN.format(5)),
     r"opt 175B": Reason(
         "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
         "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
+    r"deepseek-v3 ": Reason(
+        "TP avoided by design; DeepSeek recomputed only norms and MLA up-projections, the planner needs full recompute",
+        "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), sections 3.2 and 3.2.3",
+        {"tp": {1}, "cp": {1}}),
     r"megatron24 ": Reason(
         "a weak-scaling table: data parallel 48 for every size, the model-parallel size grown with the model",
         "NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability'", {"dp": {48}}),

@@ -15,18 +15,21 @@ def divisors(n):
 
 
 def configs(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
-            zero_stages=(1, 3), schedules=SCHEDULE_CHOICES):
+            zero_stages=(1, 3), schedules=SCHEDULE_CHOICES, settings=None):
     """Every Config that check_config accepts, from the given choices."""
     return [config for config, _ in _valid(model, cluster, global_batch, micro_batch_sizes, recomputes, zero_stages,
-                                           schedules)]
+                                           schedules, settings)]
 
 
 def _valid(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE, zero_stages=(1, 3),
-           schedules=SCHEDULE_CHOICES):
+           schedules=SCHEDULE_CHOICES, settings=None):
     """(config, micro-batches) for every valid config. The sizes check_config would refuse are skipped by
     arithmetic first (the search's cost is here: tests check that both agree); recomputation and the ZeRO stage
     never make a split invalid. Without a pipeline, one schedule; ZB-H1 where m >= p (its formula's range); context
-    parallel only with flash (blockwise) attention, as the ring computes it."""
+    parallel only with flash (blockwise) attention, as the ring computes it. settings: Config fields that are not
+    choices of the search but what the run's framework does (sequence_parallel, fused, float8, prefetch, ...), the
+    same for every config: a layout is priced as that framework would run it."""
+    settings = settings or {}
     n = cluster.num_devices
     ns = divisors(n)
     tps = [t for t in ns if model.num_heads % t == 0 and model.ffn_dim % t == 0
@@ -51,7 +54,7 @@ def _valid(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recompu
             if (schedule == "interleaved" and m % pp) or (schedule == "ZB-H1" and m < pp):
                 continue  # ZB-H1 below m = p is played exactly (estimate), too slowly for a search
             for recompute, zero in itertools.product(recomputes, zero_stages):
-                yield Config(dp, tp, pp, cp, ep, mbs, recompute, zero, schedule, v), m
+                yield Config(dp, tp, pp, cp, ep, mbs, recompute, zero, schedule, v, **settings), m
 
 
 def estimate(model, cluster, global_batch, config):
@@ -105,10 +108,10 @@ def _rows(model, cluster, global_batch, choices, only_fitting):
 
 
 def estimates(model, cluster, global_batch, micro_batch_sizes=(1, 2, 4, 8), recomputes=RECOMPUTE,
-              zero_stages=(1, 3), schedules=SCHEDULE_CHOICES):
+              zero_stages=(1, 3), schedules=SCHEDULE_CHOICES, settings=None):
     """A row for every valid configuration (the choices as `configs`'), fitting in memory or not."""
     choices = dict(micro_batch_sizes=micro_batch_sizes, recomputes=recomputes, zero_stages=zero_stages,
-                   schedules=schedules)
+                   schedules=schedules, settings=settings)
     return _rows(model, cluster, global_batch, choices, only_fitting=False)
 
 
