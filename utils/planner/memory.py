@@ -95,12 +95,29 @@ def buffer_bytes(model, config, stage=0):
         layer = max(layer, model.dense_layer.layer_dense_params / config.tp)
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
+        if config.gather_copies:
+            return deepspeed03_buffer_bytes(model, config, ends)
         unit = max([layer] + [e / config.tp for e in ends])
         return unit * ((1 + config.prefetch) * model.param_bytes + model.grad_bytes)  # no prefetch: one unit
     if config.zero_stage == 2 and config.dp * config.cp > 1:
         return min(max(BUCKET_ELEMENTS, 1e6 * config.dp * config.cp), stage_params(model, config, stage)[0]) * \
             model.grad_bytes
     return 0.0
+
+
+def deepspeed03_buffer_bytes(model, config, ends):
+    """What DeepSpeed 0.3's ZeRO-3 (Config.gather_copies) holds unsharded at its peak, in a layer's backward: it
+    gathers module by module, one weight tensor at a time (fetch_sub_module, released after the module), and
+    reduces each gradient through its own list reduce_scatter (deepspeed/runtime/zero/stage3.py and
+    partition_parameters.py at v0.3.15). A tensor larger than the 5e8-element reduce bucket
+    (reduce_bucket_size's default) is reduced alone once the next gradient arrives, and its whole gradient is
+    freed only at the reduce after that (partition_previous_reduced_grads); PyTorch's
+    ProcessGroupNCCL::reduce_scatter copies a list's inputs into one flat buffer first (flatten_for_scatter_gather).
+    So, for the largest tensor W: W's weight gathered and its gradient, the previous tensor's whole gradient and
+    its flattened copy in the reduce-scatter: W x (param_bytes + 3 grad_bytes). At GPT-3 shapes this is 4 MLP
+    matrices (13.4 GB at 530B) where a whole layer's weights and gradients are 20 GB."""
+    tensor = max([model.largest_weight_tensor] + ends) / config.tp
+    return tensor * (model.param_bytes + 3 * model.grad_bytes)
 
 
 def layer_activation_bytes(model, config, recompute=None):
