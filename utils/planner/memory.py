@@ -186,12 +186,30 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     return kept
 
 
+def logits_beyond_recompute(model, config, stage):
+    """What the fp32 logits add to pipeline rank `stage`'s peak: on the last rank, one micro-batch's. With full
+    recomputation and one piece per rank (1F1B, ZB-H1, no pipeline), the last rank runs each micro-batch's
+    backward right after its forward, and the loss's backward frees its logits before any of its layers is
+    recomputed: the logits and the layer recomputed in full (activation_bytes) are never held together, so the
+    peak holds the larger of the two and the logits count only beyond it. Interleaved, the last rank's other
+    pieces run between a micro-batch's loss and its backward: both are held."""
+    if stage != config.pp - 1:
+        return 0.0
+    logits = logits_bytes(model, config)
+    if config.recompute != "full" or config.v != 1:
+        return logits
+    recomputed = max(layer_activation_bytes(kind, config, recompute="none")
+                     for kind, _ in rank_layer_kinds(model, config.pp, config.v, stage))
+    return max(0.0, logits - recomputed)
+
+
 def memory_per_device(model, config, num_micro_batches, stage=0):
     """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
-    bytes, on one device of pipeline rank `stage` (the first by default)."""
+    bytes, on one device of pipeline rank `stage` (the first by default); logits: what they add to the peak
+    (logits_beyond_recompute)."""
     memory = model_state_bytes(model, config, stage)
     memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
-    memory["logits"] = logits_bytes(model, config) * (stage == config.pp - 1)
+    memory["logits"] = logits_beyond_recompute(model, config, stage)
     memory["buffers"] = buffer_bytes(model, config, stage)
     memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
     memory["runtime"] = RUNTIME_BYTES
