@@ -110,7 +110,8 @@ def deepspeed03_buffer_bytes(model, config, ends):
     gathers module by module, one weight tensor at a time (fetch_sub_module, released after the module), and
     reduces each gradient through its own list reduce_scatter (deepspeed/runtime/zero/stage3.py and
     partition_parameters.py at v0.3.15). A tensor larger than the 5e8-element reduce bucket
-    (reduce_bucket_size's default) is reduced alone once the next gradient arrives, and its whole gradient is
+    (reduce_bucket_size's default; contiguous_gradients off, stage 3's default, so no bucket buffers besides) is
+    reduced alone once the next gradient arrives, and its whole gradient is
     freed only at the reduce after that (partition_previous_reduced_grads); PyTorch's
     ProcessGroupNCCL::reduce_scatter copies a list's inputs into one flat buffer first (flatten_for_scatter_gather).
     So, for the largest tensor W: W's weight gathered and its gradient, the previous tensor's whole gradient and
