@@ -186,6 +186,28 @@ def test_interleaving_keeps_korthikantis_extra_share_and_the_last_stage_its_logi
     assert pl.memory_per_device(model, one, 8, stage=0)["logits"] == 0
 
 
+def test_the_last_ranks_logits_are_freed_before_its_recomputation():
+    model = dataclasses.replace(TINY, num_layers=16)
+    full = pl.Config(pp=4, dp=2, recompute="full")
+    layer = pl.layer_activation_bytes(model, full, recompute="none")
+    logits = pl.logits_bytes(model, full)
+    # 1F1B: the last rank's backward follows its forward at once, the loss's backward frees the logits first
+    assert pl.memory_per_device(model, full, 8, stage=3)["logits"] == max(0, logits - layer)
+    inter = dataclasses.replace(full, schedule="interleaved", v=2)  # other pieces run between: both held
+    assert pl.memory_per_device(model, inter, 8, stage=3)["logits"] == logits
+
+
+def test_deepspeed03_zero3_holds_one_weight_tensor_and_whole_gradients_until_reduced():
+    gpt = dataclasses.replace(TINY, biases=True, ffn_dim=4 * TINY.dim)
+    assert gpt.largest_weight_tensor == gpt.dim * gpt.ffn_dim  # the MLP's, above the fused query_key_value's 3 h h
+    config = pl.Config(dp=8, zero_stage=3, prefetch=False)
+    layer = pl.buffer_bytes(gpt, config)  # a whole layer gathered, its gradients before their reduce-scatter
+    copies = pl.buffer_bytes(gpt, dataclasses.replace(config, gather_copies=True))
+    tensor = max(gpt.largest_weight_tensor, gpt.vocab_size * gpt.dim)  # the only rank holds the embedding
+    assert copies == tensor * (gpt.param_bytes + 3 * gpt.grad_bytes) < layer  # W, its gradient, the previous
+    #                                                                            one's and its reduce-scatter copy
+
+
 def test_uneven_stages_are_placed_as_practitioners_place_them():
     assert pl.stage_layer_counts(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B: first and last one fewer
     assert pl.stage_layer_counts(61, 16) == (3,) + (4,) * 13 + (3, 3)  # DeepSeek-V3's 61 on 16

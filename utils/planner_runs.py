@@ -520,13 +520,6 @@ def _narayanan_table1():
 TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
 
 
-ZERO3_640 = ("Predicted 93 GB on an 85.9 GB device, where the run fit; its neighbour on 560 GPUs, 1.9 GB more of "
-             "optimizer shards, did not. The planner gathers a whole layer and holds its gradients (20 GB); "
-             "DeepSpeed's ZeRO-3 gathers module by module (the largest, the MLP's 20480 x 81920 weight, 3.4 GB) and "
-             "reduces in buckets of 0.5 G elements, about 8 GB in all: this run at 80 GB, but its neighbour too "
-             "(82 GB). A 1.9 GB margin is finer than the planner resolves: the whole layer is kept.")
-
-
 def _narayanan_table2():
     # (scheme, model, GPUs, batch, micro-batch, TFLOP/s per GPU); the 175B: 96 heads, 12288, 96 layers; the 530B:
     # 128, 20480, 105. Model-parallel size 96 is t 8 x p 12 (96 layers), 280 is t 8 x p 35 (105 layers).
@@ -559,8 +552,10 @@ def _narayanan_table2():
                                      "landed after the paper): gathers on demand, exposed (prefetch=False).",
                                      "DeepSpeed 0.3's ZeRO-3 (v0.3.15, April 2021) gathers each weight tensor apart, "
                                      "after a torch.cuda.synchronize(), through PyTorch's list all_gather, which "
-                                     "copies the n ranks' shards out one by one (gather_copies)."),
-                        disagreement=ZERO3_640 if (scheme, model, gpus) == ("ZeRO-3", "529.6B", 640) else ""))
+                                     "copies the n ranks' shards out one by one (gather_copies); it holds one "
+                                     "weight tensor whole at a time, and whole gradients until their list "
+                                     "reduce_scatter's turn (memory.deepspeed03_buffer_bytes): the 530B on 640 "
+                                     "GPUs at 84.3 GB of 85.9, its neighbour on 560 at 86.2 (out of memory).")))
     # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
@@ -569,7 +564,10 @@ def _narayanan_table2():
                            prefetch=False, gather_copies=True),
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
-                                 "neighbour's on 560 GPUs.",)))
+                                 "neighbour's on 560 GPUs.",
+                                 "Predicted at 86.2 GB of 85.9, its neighbour on 640 GPUs at 84.3: the 1.9 GB of "
+                                 "optimizer shards between them is less than the planner's assumed fragmentation "
+                                 "(5%, 4 GB here), so which side each falls on rests on that assumption.")))
     return runs
 
 

@@ -190,6 +190,16 @@ class Model:
         return (2 + matrices) * (1 + self.biases) + self.moe  # + the router
 
     @functools.cached_property
+    def largest_weight_tensor(self):
+        """Elements of a layer's largest weight tensor (what a framework gathering tensor by tensor holds whole at
+        once): an MLP matrix dim x ffn_dim, or one of attention's; Megatron-LM's GPT (biases) holds wq, wk and wv
+        as one query_key_value (layer_weight_tensors)."""
+        attention = [k * n for k, n in self.attention_matrices]
+        if self.biases and not self.mla:
+            attention = [sum(attention[:3])] + attention[3:]
+        return max(attention + [self.dim * self.ffn_dim])
+
+    @functools.cached_property
     def dense_layer(self):
         """The model of the first_k_dense_replace dense layers (DeepSeek-V3's first 3): the same attention, one MLP
         of intermediate_size; None if every layer is alike."""

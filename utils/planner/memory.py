@@ -95,12 +95,30 @@ def buffer_bytes(model, config, stage=0):
         layer = max(layer, model.dense_layer.layer_dense_params / config.tp)
     if config.zero_stage == 3:
         ends = [model.embedding_params * (stage == 0), model.vocab_size * model.dim * (stage == config.pp - 1)]
+        if config.gather_copies:
+            return deepspeed03_buffer_bytes(model, config, ends)
         unit = max([layer] + [e / config.tp for e in ends])
         return unit * ((1 + config.prefetch) * model.param_bytes + model.grad_bytes)  # no prefetch: one unit
     if config.zero_stage == 2 and config.dp * config.cp > 1:
         return min(max(BUCKET_ELEMENTS, 1e6 * config.dp * config.cp), stage_params(model, config, stage)[0]) * \
             model.grad_bytes
     return 0.0
+
+
+def deepspeed03_buffer_bytes(model, config, ends):
+    """What DeepSpeed 0.3's ZeRO-3 (Config.gather_copies) holds unsharded at its peak, in a layer's backward: it
+    gathers module by module, one weight tensor at a time (fetch_sub_module, released after the module), and
+    reduces each gradient through its own list reduce_scatter (deepspeed/runtime/zero/stage3.py and
+    partition_parameters.py at v0.3.15). A tensor larger than the 5e8-element reduce bucket
+    (reduce_bucket_size's default; contiguous_gradients off, stage 3's default, so no bucket buffers besides) is
+    reduced alone once the next gradient arrives, and its whole gradient is
+    freed only at the reduce after that (partition_previous_reduced_grads); PyTorch's
+    ProcessGroupNCCL::reduce_scatter copies a list's inputs into one flat buffer first (flatten_for_scatter_gather).
+    So, for the largest tensor W: W's weight gathered and its gradient, the previous tensor's whole gradient and
+    its flattened copy in the reduce-scatter: W x (param_bytes + 3 grad_bytes). At GPT-3 shapes this is 4 MLP
+    matrices (13.4 GB at 530B) where a whole layer's weights and gradients are 20 GB."""
+    tensor = max([model.largest_weight_tensor] + ends) / config.tp
+    return tensor * (model.param_bytes + 3 * model.grad_bytes)
 
 
 def layer_activation_bytes(model, config, recompute=None):
@@ -169,12 +187,30 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     return kept
 
 
+def logits_beyond_recompute(model, config, stage):
+    """What the fp32 logits add to pipeline rank `stage`'s peak: on the last rank, one micro-batch's. With full
+    recomputation and one piece per rank (1F1B, ZB-H1, no pipeline), the last rank runs each micro-batch's
+    backward right after its forward, and the loss's backward frees its logits before any of its layers is
+    recomputed: the logits and the layer recomputed in full (activation_bytes) are never held together, so the
+    peak holds the larger of the two and the logits count only beyond it. Interleaved, the last rank's other
+    pieces run between a micro-batch's loss and its backward: both are held."""
+    if stage != config.pp - 1:
+        return 0.0
+    logits = logits_bytes(model, config)
+    if config.recompute != "full" or config.v != 1:
+        return logits
+    recomputed = max(layer_activation_bytes(kind, config, recompute="none")
+                     for kind, _ in rank_layer_kinds(model, config.pp, config.v, stage))
+    return max(0.0, logits - recomputed)
+
+
 def memory_per_device(model, config, num_micro_batches, stage=0):
     """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
-    bytes, on one device of pipeline rank `stage` (the first by default)."""
+    bytes, on one device of pipeline rank `stage` (the first by default); logits: what they add to the peak
+    (logits_beyond_recompute)."""
     memory = model_state_bytes(model, config, stage)
     memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
-    memory["logits"] = logits_bytes(model, config) * (stage == config.pp - 1)
+    memory["logits"] = logits_beyond_recompute(model, config, stage)
     memory["buffers"] = buffer_bytes(model, config, stage)
     memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
     memory["runtime"] = RUNTIME_BYTES
