@@ -26,11 +26,12 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Every trained layout fits (72 of 72): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
 # (one weight tensor gathered at a time, whole gradients until their reduce-scatter) and the last rank's logits
 # freed before its recomputation are counted: 84.3 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.2 (OOM).
-# The published split within 10% of the planner's best: 45 of 72 searched runs (62%), 51 of 72 (71%) among the choices
+# The published split within 10% of the planner's best: 47 of 72 searched runs (65%), 51 of 72 (71%) among the choices
 # each run's framework offered (utils.planner_runs.LAYOUT_REASONS). Every layout of a run's search is priced with its
 # framework's settings (no sequence parallel before 2022, eager kernels, Float8, AsyncTP, DeepSpeed's pipeline engine:
 # pr.framework_settings), given only the ZeRO stages the framework offers and the knobs the run states: 68% before
-# the settings, whose alternatives had had sequence parallel where Megatron-LM 2021, BLOOM or OPT had none. Of the 27
+# the settings, whose alternatives had had sequence parallel where Megatron-LM 2021, BLOOM or OPT had none, and no
+# ZeRO where Megatron-LM had none before 2022 (Korthikanti et al.'s and Narayanan et al.'s PTD-P rows). Of the 25
 # beyond 10% (pr.format_layout_terms gives each one's step time term by term): Narayanan et al.'s six ZeRO-3
 # baselines (1.80-4.13: the paper's point); Megatron-LM 2021 7.5B, 18.4B, 39.1B, 1008B (1.14-1.27: the best is ZeRO-3
 # without tensor parallel, or selective recomputation, neither of which Megatron-LM had); Korthikanti et al.'s
@@ -39,7 +40,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # 1.24-1.27, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
 # OPT (1.27); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.62, 0.70  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.65, 0.70  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 

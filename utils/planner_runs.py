@@ -360,8 +360,8 @@ def validate(runs, search=True):
     """A row per run: reported and predicted step seconds and memory (GB), the ratios of predicted to reported
     throughput and memory, whether the planner fits it (and whether the source says it ran out of memory), the
     published split's rank and gap in the planner's search, with the search's best row and the published split's
-    ('best', 'published': format_layout_terms; search=False skips the search: the whole table in under a second), the knobs the planner chose where the source is silent, and what the record holds that the planner
-    lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
+    ('best', 'published': format_layout_terms; search=False skips the search: the whole table in under a second),
+    the knobs the planner chose where the source is silent, and what the record holds that the planner lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
     rows = []
     for run in runs:
         row = {"name": run.name, "reported_s": reported_step_seconds(run), "predicted_s": None, "ratio": None,
@@ -496,6 +496,10 @@ def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt
                  grad_bytes=2 if gpt3 else 4)
 
 
+# Megatron-LM before its distributed optimizer (2022) sharded no optimizer state, gradient or weight: the planner's
+# ZeRO-1 stands for its plain data parallel (as fast, less memory); ZeRO-3 was DeepSpeed's, the paper's baseline.
+MEGATRON_LM_2021_2022_ZERO = (0, 1)
+
 def _narayanan_table1():
     # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
     rows = [("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -507,7 +511,7 @@ def _narayanan_table1():
                                       "images/cases_april2021.png, commit 50a4b5fa02)",
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
-                       virtual_stages=None, sequence_parallel=False),
+                       virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
@@ -541,7 +545,8 @@ def _narayanan_table2():
                         Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
                                recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None,
                                sequence_parallel=False, prefetch=scheme != "ZeRO-3",
-                               gather_copies=scheme == "ZeRO-3"),
+                               gather_copies=scheme == "ZeRO-3",
+                               zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",
@@ -586,7 +591,7 @@ def _korthikanti():
                 "NVIDIA/Megatron-LM's README at 2e90a342f5 (2022-05-19, 'data parallel size of one')",
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
-                       recompute=recompute, zero_stage=0, virtual_stages=v),
+                       recompute=recompute, zero_stage=0, virtual_stages=v, zero_stages=MEGATRON_LM_2021_2022_ZERO),
                 seconds, unit="step_seconds", flops="megatron_model",
                 assumptions=("Tables 3 and 5 as transcribed in a stored structured summary of the paper (with its "
                              "micro-batch column and 'interleaving stages m=3 for 175B and 530B'); the 1T's "
