@@ -57,6 +57,35 @@ student's code, not only on the values it computed:
     12 check_fsdp_tensor_parallel, check_pipeline_3d, check_context_parallel_nd
                                        calls per group, peers, bytes held (communication_by_group, MemoryTracker)
 
+Compute counts, one by one. Of the counts above, these say how the student's code computed (not what it sent).
+For each: the count, the wrong answers it exists to catch, and whether the values the check compares show them.
+
+    06 check_recompute        layer calls in forward and in backward (forward hooks), bytes autograd saved
+                              (saved-tensor hooks). Catches no recomputation at all (a plain forward: no call in
+                              backward, every activation saved), a block run once more in forward or recomputed
+                              twice, the block's output kept as well. Values: the gradients are bit for bit the
+                              same for all of them.
+    09 check_blockwise_attention   ra.block_attention's calls (traced): a block whose every key comes after every
+                              query computed, a block larger than block_size squared. Values: the same (a hidden
+                              block's out is 0 and its lse -inf: merged, it changes nothing).
+    09 check_ring_attention(_backward), check_zigzag   blocks computed per rank and step (traced): a hidden block
+                              computed, a visible one twice. Values: the same (a visible block missed does change
+                              them). Zigzag's balance is not a count: it is judged from the positions
+                              zigzag_positions returns, read here as data.
+    11 check_backward_split   the backward calls autograd saw (hooks on the piece's input): a W that reaches the
+                              input again (a full backward, or autograd.grad with the input among its inputs).
+                              Values: the weights' gradients are the same (a full backward's x.grad is a value, but
+                              one the rank's own code can clear).
+    04, 11, 12 schedules      the recorded order of forwards and backwards and the activations alive at once
+       (check_gpipe_step, check_one_f_one_b_step, check_interleaved_step, check_zb_h1_step, check_past_1f1b,
+       check_pipeline_3d): GPipe's order passed off as 1F1B. Values: the same; messages: the same, in another order.
+    05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
+       12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
+                              gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
+                              Values: the same.
+    09 check_sequence_parallel   bytes the norms save per rank (1/N of tensor parallel's): the norms run on the
+                              gathered sequence. Values: the same.
+
 The limits, and the one count taken outside. The values a student's function computed are compared here; the
 counts above are measured where the student's code runs, and that code can fake them: the communication calls and
 the bytes handed to them (utils.intercept, utils.counting: a Python wrapper that code can remove, bypass by
