@@ -64,7 +64,10 @@ For each: the count, the wrong answers it exists to catch, and whether the value
                               (saved-tensor hooks). Catches no recomputation at all (a plain forward: no call in
                               backward, every activation saved), a block run once more in forward or recomputed
                               twice, the block's output kept as well. Values: the gradients are bit for bit the
-                              same for all of them.
+                              same for all of them; so the check also doubles every weight between forward and
+                              backward (in place, unseen by autograd), where a backward that recomputes meets the
+                              new weights and one that kept the forward's activations the old: values that show
+                              whether backward recomputes (not what forward saved, nor how often a layer ran).
     09 check_blockwise_attention   ra.block_attention's calls (traced): a block whose every key comes after every
                               query computed, a block larger than block_size squared. Values: the same (a hidden
                               block's out is 0 and its lse -inf: merged, it changes nothing).
