@@ -1,0 +1,104 @@
+"""Compute counts a student's code could forge (issue 44): what a rank records about HOW the student's code computed
+(06's layer calls and saved bytes, 09's blocks, 11's backward calls) is taken in the process that runs that code.
+Each forger below computes the right values by the wrong method and forges the record three ways: the counter
+patched, its record edited through the frames or the garbage collector, the work done in a forked child.
+
+- 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
+  backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
+  one and one written another way, still pass.
+- 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
+  apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
+  that the gap stays visible and a fix shows.
+
+Each test calls the check as the grader's checking process does (the student's function runs in a rank of its own,
+launch.apart): a second or two each, and seconds more to import a notebook's checks on a loaded machine, so slow."""
+import pytest
+
+from utils.notebooks import solution
+
+# ---------------------------------------------------------------- 09: blocks computed, still forgeable
+
+SKIP = "            if not ra.visible(q_pos, k_pos, mask):\n                continue\n"
+
+# Every block computed, the hidden ones too (ra.block_attention gives them out 0, lse -inf: the values are right),
+# their record in the rank hidden.
+FORGED_BLOCKS = {
+    "the counter bypassed": """            if not ra.visible(q_pos, k_pos, mask):  # the untraced function, from the tracer's closure
+                untraced = dict(zip(ra.block_attention.__code__.co_freevars,
+                                    (c.cell_contents for c in ra.block_attention.__closure__ or ())))
+                block = untraced.get("forward", ra.block_attention)(q[..., q_pos, :], k[..., k_pos, :],
+                                                                    v[..., k_pos, :], q_pos, k_pos, mask)
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+    "the record edited through the garbage collector": """            if not ra.visible(q_pos, k_pos, mask):
+                import gc
+                block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :], q_pos, k_pos, mask)
+                for record in [o for o in gc.get_objects() if type(o) is list and o and isinstance(o[-1], tuple)
+                               and o[-1][:1] == ("forward",) and o[-1][1] == q_pos.tolist()]:
+                    record.pop()
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+    "the hidden blocks computed in a forked child": """            if not ra.visible(q_pos, k_pos, mask):
+                import os, pickle
+                read, write = os.pipe()
+                if os.fork() == 0:
+                    os.write(write, pickle.dumps(ra.block_attention(q[..., q_pos, :], k[..., k_pos, :],
+                                                                    v[..., k_pos, :], q_pos, k_pos, mask)))
+                    os._exit(0)
+                os.close(write)
+                with os.fdopen(read, "rb") as f:
+                    block = pickle.loads(f.read())
+                os.wait()
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+}
+
+
+@pytest.mark.slow  # 1 s each, and seconds more to import 09's checks on a loaded machine
+@pytest.mark.xfail(strict=True, reason="09's hidden blocks: ra.block_attention computes no score of a hidden block "
+                   "(it skips every hidden pair of pieces itself) and returns out 0, lse -inf, so computing one changes "
+                   "no value and no work a measure outside the rank could see; only the rank's forgeable record of "
+                   "calls tells (utils.grading's docstring, 'The limits')")
+@pytest.mark.parametrize("forger", FORGED_BLOCKS)
+def test_blockwise_attention_that_forges_its_blocks_gets_no_credit(forger):
+    from utils.checks.context_parallel import check_blockwise_attention
+    forged = solution("09_context_parallel", replace={SKIP: FORGED_BLOCKS[forger]})
+    with pytest.raises(AssertionError, match="score entries computed are in blocks"):
+        check_blockwise_attention(forged.blockwise_attention)
+
+
+@pytest.mark.slow  # 1 s, and seconds more to import 09's checks on a loaded machine
+def test_blockwise_attention_that_computes_hidden_blocks_openly_is_named():
+    """The same method without forging is caught: the forgers above differ from it by the forging only."""
+    from utils.checks.context_parallel import check_blockwise_attention
+    open_ = solution("09_context_parallel", replace={SKIP: ""})
+    with pytest.raises(AssertionError, match="score entries computed are in blocks"):
+        check_blockwise_attention(open_.blockwise_attention)
+
+
+# ---------------------------------------------------------------- 11: backward calls, still forgeable
+
+W = "    torch.autograd.backward(y, grad, inputs=list(stage.parameters()))\n"
+
+# W back-propagates to the input again (a full backward), its record in the rank edited to show W alone.
+FORGED_SPLIT = """    import gc
+    record = next(o for o in gc.get_objects() if type(o).__name__ == "StepRecord")
+    before = len(record.events)
+    torch.autograd.backward(y, grad)  # the input's gradient computed once more
+    record.events[before:] = [e._replace(kind="W") for e in record.events[before:]]  # recorded as B: it reached x
+"""
+
+
+@pytest.mark.slow  # 2 s, and seconds more to import 11's checks on a loaded machine
+@pytest.mark.xfail(strict=True, reason="11's split backward: a W that computes the input's gradient again gives the "
+                   "same weight gradients; the extra work (one matmul per layer) is within an honest answer's spread, "
+                   "and only the rank's forgeable record of autograd's calls tells (utils.grading's docstring, "
+                   "'The limits')")
+def test_a_backward_split_that_forges_its_record_gets_no_credit():
+    from utils.checks.pipeline import check_backward_split
+    forged = solution("11_pipeline_schedules", replace={W: FORGED_SPLIT})
+    with pytest.raises(AssertionError, match="backward calls, as autograd saw them"):
+        check_backward_split(forged.backward_input, forged.backward_weight, 8, 4, 8, 2)
