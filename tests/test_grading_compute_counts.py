@@ -16,6 +16,75 @@ import pytest
 
 from utils.notebooks import solution
 
+# ---------------------------------------------------------------- 06: recompute, now shown by values
+
+PLAIN = "    return Recompute.apply(check_recomputable(block), x, *block.parameters())"
+
+# No recomputation at all (autograd keeps every activation), the check's counts forged to read as a recompute's.
+FORGED_RECOMPUTES = {
+    "the counters patched": """    import sys
+    from utils import mixed_precision
+    mixed_precision.SavedActivations.nbytes = property(lambda self: 0)  # the saved bytes' counter
+    caller = sys._getframe(1).f_locals
+    out = block(x)
+    if "calls" in caller and out.requires_grad:  # the forward hooks' record: one more call, in backward
+        i = list(caller["model"].layers).index(block)
+        out.register_hook(lambda g, calls=caller["calls"]: calls.__setitem__(i, calls[i] + 1))
+    return out
+""",
+    "the records edited through the garbage collector": """    import gc
+    out = block(x)
+    hook = next(iter(block._forward_hooks.values()), None)
+    if hook is not None and out.requires_grad:
+        calls = hook.__closure__[0].cell_contents  # the list the check's forward hook counts into
+        saved = [o for o in gc.get_objects() if type(o).__name__ == "SavedActivations"]
+        i = len([c for c in calls if c])  - 1
+
+        def forge(g):
+            calls[i] += 1
+            for s in saved:
+                s.storages.clear()
+        out.register_hook(forge)
+    return out""",
+}
+
+
+@pytest.mark.slow  # 2 s each, and 5 to import 06's checks on a loaded machine
+@pytest.mark.parametrize("forger", FORGED_RECOMPUTES)
+def test_a_recompute_that_forges_its_counts_gets_no_credit(forger):
+    from utils.checks.mixed_precision import check_recompute
+    forged = solution("06_mixed_precision", replace={PLAIN: FORGED_RECOMPUTES[forger]})
+    with pytest.raises(AssertionError, match="doubled between forward and backward"):
+        check_recompute(forged.recompute, 8, 3, 6)
+
+
+def test_a_plain_forward_is_still_named_by_its_counts():
+    """Without forging, a recompute that does not recompute is named as before (the notebooks' hints unchanged):
+    the doubled weights are checked after the counts."""
+    from utils.checks.mixed_precision import check_recompute
+    plain = solution("06_mixed_precision", replace={PLAIN: "    return block(x)"})
+    with pytest.raises(AssertionError, match=r"backward ran the layers' forward \[0, 0\] times"):
+        check_recompute(plain.recompute, 8, 2, 4)
+
+
+HONEST_RECOMPUTES = {
+    "slow: a pause before each recomputation": {
+        "        x = x.detach().requires_grad_()\n":
+        "        import time\n        time.sleep(0.1)\n        x = x.detach().requires_grad_()\n"},
+    "the input kept on ctx, not saved for backward": {
+        "        ctx.block = block\n        ctx.save_for_backward(x)\n": "        ctx.block = block\n        ctx.x = x\n",
+        "        (x,) = ctx.saved_tensors\n        x = x.detach()": "        x = ctx.x.detach()"},
+}
+
+
+@pytest.mark.slow  # 2 s each, and 5 to import 06's checks on a loaded machine
+@pytest.mark.parametrize("way", HONEST_RECOMPUTES)
+def test_an_honest_recompute_still_passes(way, capsys):
+    from utils.checks.mixed_precision import check_recompute
+    check_recompute(solution("06_mixed_precision", replace=HONEST_RECOMPUTES[way]).recompute, 8, 3, 6)
+    assert "recompute: correct" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- 09: blocks computed, still forgeable
 
 SKIP = "            if not ra.visible(q_pos, k_pos, mask):\n                continue\n"
