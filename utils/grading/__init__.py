@@ -94,7 +94,7 @@ above are measured where the student's code runs, and that code can fake them: t
 bytes handed to them (utils.intercept, utils.counting: a Python wrapper that code can remove, bypass by calling
 the process group directly, or whose log it can edit through the frames or the garbage collector before the rank
 reports), and every compute count. A pipe for that log would not help: the student's code holds every descriptor
-of its process. Three measures are out of its reach:
+of its process. Two measures are out of its reach, and two more were tried:
 
 - The wire. What the kernel counts for the sandbox's network namespace a rank cannot lower, forks and sockets of
   its own included: the checking process reads it around every cell (utils.grading.wire), and an exercise whose
@@ -109,11 +109,11 @@ of its process. Three measures are out of its reach:
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
   controller (memory is a v1 hierarchy the host's own agent manages), and a Gradescope container's cgroups are
-  not the grader's to create either. The
-  rank's peak resident memory (VmHWM, wait4's ru_maxrss, read by its parent): the rank can lower it (writing 5 to
-  /proc/self/clear_refs resets it: a 300 MB peak read back by wait4 as 10 MB), a fork's memory is not the rank's,
-  and at the checks' sizes (06: a batch of 24 rows of 16 features, 4 layers, kilobytes of activations, against the
-  218 MB that importing torch takes) it cannot tell a recompute that saves everything from one that saves nothing.
+  not the grader's to create either. The rank's peak resident memory (VmHWM, wait4's ru_maxrss, read by its
+  parent): the rank can lower it (writing 5 to /proc/self/clear_refs resets it: a 300 MB peak read back by wait4
+  as 10 MB), a fork's memory is not the rank's, and at the checks' sizes (06: a batch of 24 rows of 16 features,
+  4 layers, kilobytes of activations, against the 218 MB that importing torch takes) it cannot tell a recompute
+  that saves everything from one that saves nothing.
   CPU time: the wrong methods cost almost nothing more (a hidden block costs ra.block_attention no score at all,
   it skips hidden pieces itself; 11's W reaching the input again costs one small matmul per layer, less than
   Python's overhead), and honest answers spread wider than that, so a limit on it would fail a slow honest answer
