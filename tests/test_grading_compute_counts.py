@@ -1,7 +1,9 @@
 """Compute counts a student's code could forge (issue 44): what a rank records about HOW the student's code computed
 (06's layer calls and saved bytes, 09's blocks, 11's backward calls) is taken in the process that runs that code.
-Each forger below computes the right values by the wrong method and forges the record three ways: the counter
-patched, its record edited through the frames or the garbage collector, the work done in a forked child.
+Each forger below computes the right values by the wrong method and forges the record: the counter patched or
+bypassed, its record edited through the garbage collector, or (09) the work done in a forked child. 06 has no
+forked-child forger: a fork cannot hand back an autograd graph, and one that computes the gradients from the saved
+input recomputes, which is the exercise.
 
 - 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
   backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
@@ -10,8 +12,9 @@ patched, its record edited through the frames or the garbage collector, the work
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
 
-Each test calls the check as the grader's checking process does (the student's function runs in a rank of its own,
-launch.apart): a second or two each, and seconds more to import a notebook's checks on a loaded machine, so slow."""
+The forgers are written inside the answer's region, as a submission holds them. Each test calls the check as the
+grader's checking process does (the student's function runs in a rank of its own, launch.apart): a second or two
+each, and seconds more to import a notebook's checks on a loaded machine, so slow."""
 import pytest
 
 from utils.notebooks import solution
@@ -19,33 +22,39 @@ from utils.notebooks import solution
 # ---------------------------------------------------------------- 06: recompute, now shown by values
 
 PLAIN = "    return Recompute.apply(check_recomputable(block), x, *block.parameters())"
+FORWARD = "        ctx.block = block\n        ctx.save_for_backward(x)\n        return block(x)\n"
+RECOMPUTE = ("        (x,) = ctx.saved_tensors\n        x = x.detach().requires_grad_()\n"
+             "        with torch.enable_grad():\n            out = ctx.block(x)\n"
+             "        grads = torch.autograd.grad(out, [x, *ctx.block.parameters()], grad_output)\n"
+             "        return (None, *grads)\n")
+KEEP_GRAPH = """        ctx.block = block
+        ctx.x = x.detach().requires_grad_()
+        with torch.enable_grad():  # the block's graph kept: every activation saved, nothing recomputed
+            ctx.out = block(ctx.x)
+        return ctx.out.detach()
+"""
 
-# No recomputation at all (autograd keeps every activation), the check's counts forged to read as a recompute's.
+
+def kept_graph(forge):
+    """Recompute's answer (inside its region, as a submission has it) that keeps the forward's graph and backward
+    through it, with `forge` making the check's counts read as a recompute's."""
+    backward = "        grads = torch.autograd.grad(ctx.out, [ctx.x, *ctx.block.parameters()], grad_output)\n"
+    return {FORWARD: KEEP_GRAPH, RECOMPUTE: backward + forge + "        return (None, *grads)\n"}
+
+
 FORGED_RECOMPUTES = {
-    "the counters patched": """    import sys
-    from utils import mixed_precision
-    mixed_precision.SavedActivations.nbytes = property(lambda self: 0)  # the saved bytes' counter
-    caller = sys._getframe(1).f_locals
-    out = block(x)
-    if "calls" in caller and out.requires_grad:  # the forward hooks' record: one more call, in backward
-        i = list(caller["model"].layers).index(block)
-        out.register_hook(lambda g, calls=caller["calls"]: calls.__setitem__(i, calls[i] + 1))
-    return out
-""",
-    "the records edited through the garbage collector": """    import gc
-    out = block(x)
-    hook = next(iter(block._forward_hooks.values()), None)
-    if hook is not None and out.requires_grad:
-        calls = hook.__closure__[0].cell_contents  # the list the check's forward hook counts into
-        saved = [o for o in gc.get_objects() if type(o).__name__ == "SavedActivations"]
-        i = len([c for c in calls if c])  - 1
-
-        def forge(g):
-            calls[i] += 1
-            for s in saved:
-                s.storages.clear()
-        out.register_hook(forge)
-    return out""",
+    "the counters patched": kept_graph("""        from utils import mixed_precision
+        mixed_precision.SavedActivations.nbytes = property(lambda self: 0)  # the saved bytes' counter
+        for hook in ctx.block._forward_hooks.values():  # the calls' counter, called as if the block ran again
+            hook(ctx.block, (ctx.x,), ctx.out)
+"""),
+    "the records edited through the garbage collector": kept_graph("""        import gc
+        for hook in ctx.block._forward_hooks.values():  # the list the check's forward hook counts into
+            calls, layer = hook.__closure__[0].cell_contents, hook.__defaults__[0]
+            calls[layer] += 1
+        for saved in [o for o in gc.get_objects() if type(o).__name__ == "SavedActivations"]:
+            saved.storages.clear()
+"""),
 }
 
 
@@ -53,7 +62,7 @@ FORGED_RECOMPUTES = {
 @pytest.mark.parametrize("forger", FORGED_RECOMPUTES)
 def test_a_recompute_that_forges_its_counts_gets_no_credit(forger):
     from utils.checks.mixed_precision import check_recompute
-    forged = solution("06_mixed_precision", replace={PLAIN: FORGED_RECOMPUTES[forger]})
+    forged = solution("06_mixed_precision", replace=FORGED_RECOMPUTES[forger])
     with pytest.raises(AssertionError, match="doubled between forward and backward"):
         check_recompute(forged.recompute, 8, 3, 6)
 
@@ -72,7 +81,8 @@ HONEST_RECOMPUTES = {
         "        x = x.detach().requires_grad_()\n":
         "        import time\n        time.sleep(0.1)\n        x = x.detach().requires_grad_()\n"},
     "the input kept on ctx, not saved for backward": {
-        "        ctx.block = block\n        ctx.save_for_backward(x)\n": "        ctx.block = block\n        ctx.x = x\n",
+        "        ctx.block = block\n        ctx.save_for_backward(x)\n":
+        "        ctx.block = block\n        ctx.x = x\n",
         "        (x,) = ctx.saved_tensors\n        x = x.detach()": "        x = ctx.x.detach()"},
 }
 
@@ -92,7 +102,7 @@ SKIP = "            if not ra.visible(q_pos, k_pos, mask):\n                cont
 # Every block computed, the hidden ones too (ra.block_attention gives them out 0, lse -inf: the values are right),
 # their record in the rank hidden.
 FORGED_BLOCKS = {
-    "the counter bypassed": """            if not ra.visible(q_pos, k_pos, mask):  # the untraced function, from the tracer's closure
+    "the counter bypassed": """            if not ra.visible(q_pos, k_pos, mask):  # the untraced function
                 untraced = dict(zip(ra.block_attention.__code__.co_freevars,
                                     (c.cell_contents for c in ra.block_attention.__closure__ or ())))
                 block = untraced.get("forward", ra.block_attention)(q[..., q_pos, :], k[..., k_pos, :],
@@ -128,9 +138,9 @@ FORGED_BLOCKS = {
 
 @pytest.mark.slow  # 1 s each, and seconds more to import 09's checks on a loaded machine
 @pytest.mark.xfail(strict=True, reason="09's hidden blocks: ra.block_attention computes no score of a hidden block "
-                   "(it skips every hidden pair of pieces itself) and returns out 0, lse -inf, so computing one changes "
-                   "no value and no work a measure outside the rank could see; only the rank's forgeable record of "
-                   "calls tells (utils.grading's docstring, 'The limits')")
+                   "(it skips every hidden pair of pieces itself) and returns out 0, lse -inf, so computing one "
+                   "changes no value and no work a measure outside the rank could see; only the rank's forgeable "
+                   "record of calls tells (utils.grading's docstring, 'The limits')")
 @pytest.mark.parametrize("forger", FORGED_BLOCKS)
 def test_blockwise_attention_that_forges_its_blocks_gets_no_credit(forger):
     from utils.checks.context_parallel import check_blockwise_attention
