@@ -14,9 +14,12 @@ input recomputes, which is the exercise.
 
 The forgers are written inside the answer's region, as a submission holds them. Each test calls the check as the
 grader's checking process does (the student's function runs in a rank of its own, launch.apart): a second or two
-each, and seconds more to import a notebook's checks on a loaded machine, so slow."""
+each, and seconds more to import a notebook's checks on a loaded machine, so slow; one grades 06 through
+python -m utils.grade, sandboxed."""
 import pytest
+from test_grade import handed_in, run_grader, write_class
 
+from utils.grading import sandbox
 from utils.notebooks import solution
 
 # ---------------------------------------------------------------- 06: recompute, now shown by values
@@ -93,6 +96,28 @@ def test_an_honest_recompute_still_passes(way, capsys):
     from utils.checks.mixed_precision import check_recompute
     check_recompute(solution("06_mixed_precision", replace=HONEST_RECOMPUTES[way]).recompute, 8, 3, 6)
     assert "recompute: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # notebook 06 graded three times (the reference's run, then two submissions at once): 2 to 3 minutes
+@pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
+def test_the_grader_gives_a_forged_recompute_no_credit_and_an_honest_slow_one_full(tmp_path, monkeypatch):
+    """Through python -m utils.grade: the forger loses the recompute exercise only; the honest slow student passes
+    everything."""
+    forger = "the records edited through the garbage collector"
+    write_class(tmp_path / "submitted", {
+        "mallory": ("06_mixed_precision.ipynb", handed_in("06_mixed_precision",
+                                                          replace=FORGED_RECOMPUTES[forger])),
+        "alice": ("06_mixed_precision.ipynb", handed_in("06_mixed_precision", replace=HONEST_RECOMPUTES[
+            "slow: a pause before each recomputation"]))})
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600")
+    assert {r["verdict"] for r in rows["alice"]} == {"passed"}, [(r["exercise"], r["verdict"], r["message"])
+                                                                  for r in rows["alice"]]
+    verdicts = {r["exercise"]: r for r in rows["mallory"]}
+    forged = next(r for name, r in verdicts.items() if "recompute" in name.lower())
+    assert forged["verdict"] == "failed" and "doubled between forward and backward" in forged["message"], forged
+    assert [r["verdict"] for r in verdicts.values()].count("passed") == len(verdicts) - 1, [
+        (r["exercise"], r["verdict"], r["message"]) for r in rows["mallory"]]
+    assert not left
 
 
 # ---------------------------------------------------------------- 09: blocks computed, still forgeable
