@@ -70,6 +70,7 @@ def test_a_recompute_that_forges_its_counts_gets_no_credit(forger):
         check_recompute(forged.recompute, 8, 3, 6)
 
 
+@pytest.mark.slow  # 0.4 s, and 5 to import 06's checks on a loaded machine
 def test_a_plain_forward_is_still_named_by_its_counts():
     """Without forging, a recompute that does not recompute is named as before (the notebooks' hints unchanged):
     the doubled weights are checked after the counts."""
