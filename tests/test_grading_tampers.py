@@ -154,6 +154,32 @@ def test_what_a_rank_reports_is_read_as_data_only():
             runner.safe_load(io.BytesIO(cloudpickle.dumps(evil)))
 
 
+FORK_OF_A_FORK = """
+import os
+from utils.grading.runner import close_in_forks
+read_end, write_end = os.pipe()
+close_in_forks(read_end)
+pid = os.fork()
+if pid == 0:  # a fork (a demo's): read_end closed in it, its number reused, then a fork of the fork (a rank)
+    a, b = os.pipe()
+    grandchild = os.fork()
+    if grandchild == 0:
+        os._exit(0 if read_end in (a, b) and os.fstat(read_end) else 1)
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]))
+os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_fork_of_a_fork_keeps_the_files_it_opened():
+    """The checking process's pipes are closed in its forks; a fork of a fork (the ranks a demo run in a fork starts:
+    06's last cells) keeps the files that reuse their numbers. Closed there again, 06's 4-rank cell lost a rank's
+    socket or pipe ("Bad file descriptor", or gloo's SIGABRT) and the solution itself failed when graded."""
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([sys.executable, "-c", FORK_OF_A_FORK], env=env, timeout=60).returncode == 0
+
+
 @pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
 def test_the_sandbox_shows_the_course_read_only_without_solutions(tmp_path):
     """One slot, no notebook: what the checking process sees (about 2 s: it imports torch)."""

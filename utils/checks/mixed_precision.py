@@ -16,6 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
@@ -545,18 +546,45 @@ def _recompute_run(rank, world_size, recompute, hidden_dim, num_layers, batch_si
     or the message of the RuntimeError it raised."""
     with one_thread():
         try:
-            return _forward_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
-                                     make_batch(batch_size, hidden_dim, seed, 0, dtype), recompute)
+            return (*_forward_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
+                                       make_batch(batch_size, hidden_dim, seed, 0, dtype), recompute),
+                    _weights_doubled_before_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
+                                                     make_batch(batch_size, hidden_dim, seed, 0, dtype), recompute))
         except NotImplementedError:  # not attempted yet: said as such, as every exercise says it
             raise
         except RuntimeError as e:
             return str(e)
 
 
+def _weights_doubled_before_backward(model, x, recompute):
+    """The weights' gradients when every weight is doubled between forward and backward (in place, out of
+    autograd's sight). A backward that recomputes each block from its saved input meets the doubled weights; one
+    that kept the forward's activations meets the old ones: the gradients tell the method apart, where the counts
+    of calls and saved bytes, taken in the rank that runs the student's code, could be forged."""
+    for layer in model.layers:
+        x = recompute(layer, x)
+    loss = loss_fn(x)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.mul_(2)  # .data: no version bump, so autograd's saved tensors do not refuse it
+    loss.backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _recomputed_reference(hidden_dim, num_layers, batch_size, seed, dtype):
+    """_weights_doubled_before_backward with PyTorch's own recomputation (torch.utils.checkpoint)."""
+    def checkpointed(layer, x):
+        return checkpoint(layer, x, use_reentrant=False)
+    return _weights_doubled_before_backward(build_mlp(hidden_dim, num_layers, seed, dtype),
+                                            make_batch(batch_size, hidden_dim, seed, 0, dtype), checkpointed)
+
+
 def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype):
     """The student's recompute runs in a rank of its own, which returns its loss, gradients and counts as data; the
     comparison runs here. The counts (layer calls, bytes saved) are taken in that rank, by hooks installed before
-    the student's code runs: code that computes the right gradients could lie about them, not about the values."""
+    the student's code runs: code that computes the right gradients could lie about them, not about the values.
+    That backward recomputes is also shown by values (_weights_doubled_before_backward), which no count can hide;
+    how much forward saved and how often a layer ran are shown by the counts only."""
     model = build_mlp(hidden_dim, num_layers, seed, dtype)
     x = make_batch(batch_size, hidden_dim, seed, 0, dtype)
     loss, grads, saved, _, _ = _forward_backward(model, x)
@@ -564,7 +592,7 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
     if isinstance(run, str):
         hint = next((h for words, h in RECOMPUTE_ERRORS if words in run), "see the error")
         raise AssertionError(f"recompute: backward raised RuntimeError: {run.splitlines()[0]}; {hint}")
-    got_loss, got, got_saved, forward_calls, backward_calls = run
+    got_loss, got, got_saved, forward_calls, backward_calls, got_doubled = run
     e = torch.tensor([], dtype=dtype).element_size()
     want = activation_bytes_formula(batch_size, hidden_dim, num_layers, e, recompute=True)
     assert torch.equal(got_loss, loss), "recompute: the loss differs from the plain forward's: return block(x)"
@@ -583,6 +611,14 @@ def _check_recompute(recompute, hidden_dim, num_layers, batch_size, seed, dtype)
         assert torch.equal(g, w), (f"recompute: layer {i}'s weight gradient differs from the plain run's by up to "
                                    f"{max_abs_diff(g, w):.3g}: recompute the block from its saved input and "
                                    f"differentiate that")
+    for i, (g, w) in enumerate(zip(got_doubled, _recomputed_reference(hidden_dim, num_layers, batch_size, seed,
+                                                                     dtype))):
+        assert g is not None and torch.equal(g, w), (
+            f"recompute: with every weight doubled between forward and backward, layer {i}'s weight gradient "
+            f"differs from a recomputation's (torch.utils.checkpoint's)"
+            f"{'' if g is None else f' by up to {max_abs_diff(g, w):.3g}'}: backward used what the forward computed, "
+            f"not the block rerun from its saved input (a copy of the block made in forward would not see the "
+            f"change either: keep the block itself)")
     assert got_saved <= want, (
         f"recompute: autograd saved {got_saved} bytes, the formula says (L + 1) * B * h * e = {want}: save only the "
         f"block's input (run the block under torch.no_grad() in forward), not what the block computes")

@@ -57,30 +57,94 @@ student's code, not only on the values it computed:
     12 check_fsdp_tensor_parallel, check_pipeline_3d, check_context_parallel_nd
                                        calls per group, peers, bytes held (communication_by_group, MemoryTracker)
 
-The limits, and the one count taken outside. The values a student's function computed are compared here; the
-counts above are measured where the student's code runs, and that code can fake them: the communication calls and
-the bytes handed to them (utils.intercept, utils.counting: a Python wrapper that code can remove, bypass by
-calling the process group directly, or whose log it can edit through the frames or the garbage collector before
-the rank reports), the blocks 09's blockwise attention computed, the layer calls and the bytes autograd saved in
-06's recompute, the backward calls autograd saw in 11's B and W, the memory a MemoryTracker saw. A pipe for that
-log would not help: the student's code holds every descriptor of its process. What the kernel counts for the
-sandbox's network namespace a rank cannot lower, forks and sockets of its own included: the checking process reads
-it around every cell (utils.grading.wire), and an exercise whose check cells sent clearly more TCP segments than
-the solution's run of the same cells gets no credit. That catches communication a forged log hides (a ring built
-on dist.all_reduce, extra messages, a fork that talks); it cannot see a method that communicates the same messages
-differently computed (compute counts: 09's blocks, 06's saved bytes, 11's backward calls, memory held), nor a
-count moved from one call to another of the same size. For 06's saved bytes the kernel keeps one count a rank
-cannot lower, its peak resident memory (VmHWM, wait4's ru_maxrss, readable by the process that started it); at the
-check's sizes (a batch of 24 rows of 16 features, 4 layers: kilobytes of activations) against the 218 MB that
-importing torch takes, it cannot tell a recompute that saves everything from one that saves nothing, so it is not
-used. So a student who computes the right values can still get
-credit for such an exercise by forging those counts: that exercise's only, never another's or another student's,
-and only with code written to forge them, which a reader of the submission sees. Three checks once called the
-student's code in the checking process itself (an autograd Function run in one process: 06's recompute, 09's
-blockwise attention, 11's B and W): they now run it in a rank of its own, which returns tensors and counts, and
-compare here like the rest. Only a few cells after a check (demos that call an autograd Function in their own
-process: submission.DEMOS_IN_A_FORK) run in a fork of the checking process, whose outcome the student's code could
-forge: that gains nothing, since the exercise passes only if its check cell, run here, passes too.
+Compute counts, one by one. Of the counts above, these say how the student's code computed (not what it sent).
+For each: the count, the wrong answers it exists to catch, and whether the values the check compares show them.
+
+    06 check_recompute        layer calls in forward and in backward (forward hooks), bytes autograd saved
+                              (saved-tensor hooks). Catches no recomputation at all (a plain forward: no call in
+                              backward, every activation saved), a block run once more in forward or recomputed
+                              twice, the block's output kept as well. Values: the gradients are bit for bit the
+                              same for all of them; so the check also doubles every weight between forward and
+                              backward (in place, unseen by autograd), where a backward that recomputes meets the
+                              new weights and one that kept the forward's activations the old: values that show
+                              whether backward recomputes (not what forward saved, nor how often a layer ran).
+    09 check_blockwise_attention   ra.block_attention's calls (traced): a block whose every key comes after every
+                              query computed, a block larger than block_size squared. Values: the same (a hidden
+                              block's out is 0 and its lse -inf: merged, it changes nothing).
+    09 check_ring_attention(_backward), check_zigzag   blocks computed per rank and step (traced): a hidden block
+                              computed, a visible one twice. Values: the same (a visible block missed does change
+                              them). Zigzag's balance is not a count: it is judged from the positions
+                              zigzag_positions returns, read here as data.
+    11 check_backward_split   the backward calls autograd saw (hooks on the piece's input): a W that reaches the
+                              input again (a full backward, or autograd.grad with the input among its inputs).
+                              Values: the weights' gradients are the same (a full backward's x.grad is a value, but
+                              one the rank's own code can clear).
+    04, 11, 12 schedules      the recorded order of forwards and backwards and the activations alive at once
+       (check_gpipe_step, check_one_f_one_b_step, check_interleaved_step, check_zb_h1_step, check_past_1f1b,
+       check_pipeline_3d): GPipe's order passed off as 1F1B. Values: the same; messages: the same, in another order.
+    05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
+       12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
+                              gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
+                              Values: the same.
+    09 check_sequence_parallel   bytes the norms save per rank (1/N of tensor parallel's): the norms run on the
+                              gathered sequence. Values: the same.
+
+The limits, and what is taken outside. The values a student's function computed are compared here; the counts
+above are measured where the student's code runs, and that code can fake them: the communication calls and the
+bytes handed to them (utils.intercept, utils.counting: a Python wrapper that code can remove, bypass by calling
+the process group directly, or whose log it can edit through the frames or the garbage collector before the rank
+reports), and every compute count. A pipe for that log would not help: the student's code holds every descriptor
+of its process. Two measures are out of its reach, and two more were tried:
+
+- The wire. What the kernel counts for the sandbox's network namespace a rank cannot lower, forks and sockets of
+  its own included: the checking process reads it around every cell (utils.grading.wire), and an exercise whose
+  check cells sent clearly more TCP segments than the solution's run of the same cells gets no credit. That
+  catches communication a forged log hides (a ring built on dist.all_reduce, extra messages, a fork that talks);
+  it cannot see a count moved from one call to another of the same size, nor any compute count.
+- Values that show the method. 06's recompute doubles every weight between forward and backward: only a backward
+  that recomputes meets the doubled weights, so a plain forward with forged counts gets the gradients wrong
+  (tests/test_grading_compute_counts.py: the counters patched, their records edited through the garbage
+  collector; an honest recompute, a slow one, one written another way, still pass).
+- Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
+  count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
+  grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
+  controller (memory is a v1 hierarchy the host's own agent manages), and a Gradescope container's cgroups are
+  not the grader's to create either. The rank's peak resident memory (VmHWM, wait4's ru_maxrss, read by its
+  parent): the rank can lower it (writing 5 to /proc/self/clear_refs resets it: a 300 MB peak read back by wait4
+  as 10 MB), a fork's memory is not the rank's, and at the checks' sizes (06: a batch of 24 rows of 16 features,
+  4 layers, kilobytes of activations, against the 218 MB that importing torch takes) it cannot tell a recompute
+  that saves everything from one that saves nothing.
+  CPU time: the wrong methods cost almost nothing more (a hidden block costs ra.block_attention no score at all,
+  it skips hidden pieces itself; 11's W reaching the input again costs one small matmul per layer, less than
+  Python's overhead), and honest answers spread wider than that, so a limit on it would fail a slow honest answer
+  before it caught a forger.
+
+So these compute counts can still be forged, and what a forger gains is credit for that one exercise, never another's
+or another student's, with code written to forge them, which a reader of the submission sees (the tests that show
+each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a fix shows):
+
+    06 check_recompute        what forward saved and how often a layer ran: a recompute that also keeps the block's
+                              output, or runs the block once more in forward (backward must recompute: values).
+    09 check_blockwise_attention, check_ring_attention(_backward), check_zigzag   the hidden blocks: an answer
+                              without the skip (ra.visible), or one computing a block twice, passes with its record
+                              forged (the three forgers of the tests: the tracer bypassed through its closure, its
+                              record edited through the garbage collector, the hidden blocks computed in a forked
+                              child); so does plain attention computed whole by the student's own code, with calls
+                              made up. No score more is computed by the first: ra.block_attention computes none of
+                              a hidden block.
+    11 check_backward_split   a W that reaches the input again (a full backward), its record edited: the split's
+                              saving of the input's second gradient.
+    04, 11, 12 schedules      the order of forwards and backwards, the activations alive: GPipe's order passed off
+                              as 1F1B or ZB-H1.
+    05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
+                              gathered weights, a whole optimizer state, a prefetch too far ahead.
+
+Three checks once called the student's code in the checking process itself (an autograd Function run in one
+process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
+returns tensors and counts, and compare here like the rest. Only a few cells after a check (demos that call an
+autograd Function in their own process: submission.DEMOS_IN_A_FORK) run in a fork of the checking process, whose
+outcome the student's code could forge: that gains nothing, since the exercise passes only if its check cell, run
+here, passes too.
 
 Isolation (sandbox): each run is a bubblewrap sandbox with the course's utils/ read-only, no solutions/ and no
 other student's file or grade, a private /tmp, a working folder of its own, no capabilities, loopback-only

@@ -269,13 +269,24 @@ def in_fork(report):
 
 
 def close_in_forks(*fds):
+    """Close the file descriptors fds in every fork of this process. Only in its own forks: a fork of a fork (a rank
+    that a demo's fork starts) inherits the hook too, but there the numbers were closed one fork earlier and may
+    have been reused since (closed again, a rank's store socket or result pipe went: "Bad file descriptor", or gloo
+    aborting the rank)."""
+    owner, forking_from = os.getpid(), [None]
+
+    def note_parent():
+        forking_from[0] = os.getpid()
+
     def close():
+        if forking_from[0] != owner:
+            return
         for fd in fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-    os.register_at_fork(after_in_child=close)
+    os.register_at_fork(before=note_parent, after_in_child=close)
 
 
 def main():

@@ -1,0 +1,209 @@
+"""Compute counts a student's code could forge (issue 44): what a rank records about HOW the student's code computed
+(06's layer calls and saved bytes, 09's blocks, 11's backward calls) is taken in the process that runs that code.
+Each forger below computes the right values by the wrong method and forges the record: the counter patched or
+bypassed, its record edited through the garbage collector, or (09) the work done in a forked child. 06 has no
+forked-child forger: a fork cannot hand back an autograd graph, and one that computes the gradients from the saved
+input recomputes, which is the exercise.
+
+- 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
+  backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
+  one and one written another way, still pass.
+- 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
+  apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
+  that the gap stays visible and a fix shows.
+
+The forgers are written inside the answer's region, as a submission holds them. Each test calls the check as the
+grader's checking process does (the student's function runs in a rank of its own, launch.apart): a second or two
+each, and seconds more to import a notebook's checks on a loaded machine, so slow; one grades 06 through
+python -m utils.grade, sandboxed."""
+import pytest
+from test_grade import handed_in, run_grader, write_class
+
+from utils.grading import sandbox
+from utils.notebooks import solution
+
+# ---------------------------------------------------------------- 06: recompute, now shown by values
+
+PLAIN = "    return Recompute.apply(check_recomputable(block), x, *block.parameters())"
+FORWARD = "        ctx.block = block\n        ctx.save_for_backward(x)\n        return block(x)\n"
+RECOMPUTE = ("        (x,) = ctx.saved_tensors\n        x = x.detach().requires_grad_()\n"
+             "        with torch.enable_grad():\n            out = ctx.block(x)\n"
+             "        grads = torch.autograd.grad(out, [x, *ctx.block.parameters()], grad_output)\n"
+             "        return (None, *grads)\n")
+KEEP_GRAPH = """        ctx.block = block
+        ctx.x = x.detach().requires_grad_()
+        with torch.enable_grad():  # the block's graph kept: every activation saved, nothing recomputed
+            ctx.out = block(ctx.x)
+        return ctx.out.detach()
+"""
+
+
+def kept_graph(forge):
+    """Recompute's answer (inside its region, as a submission has it) that keeps the forward's graph and backward
+    through it, with `forge` making the check's counts read as a recompute's."""
+    backward = "        grads = torch.autograd.grad(ctx.out, [ctx.x, *ctx.block.parameters()], grad_output)\n"
+    return {FORWARD: KEEP_GRAPH, RECOMPUTE: backward + forge + "        return (None, *grads)\n"}
+
+
+FORGED_RECOMPUTES = {
+    "the counters patched": kept_graph("""        from utils import mixed_precision
+        mixed_precision.SavedActivations.nbytes = property(lambda self: 0)  # the saved bytes' counter
+        for hook in ctx.block._forward_hooks.values():  # the calls' counter, called as if the block ran again
+            hook(ctx.block, (ctx.x,), ctx.out)
+"""),
+    "the records edited through the garbage collector": kept_graph("""        import gc
+        for hook in ctx.block._forward_hooks.values():  # the list the check's forward hook counts into
+            calls, layer = hook.__closure__[0].cell_contents, hook.__defaults__[0]
+            calls[layer] += 1
+        for saved in [o for o in gc.get_objects() if type(o).__name__ == "SavedActivations"]:
+            saved.storages.clear()
+"""),
+}
+
+
+@pytest.mark.slow  # 2 s each, and 5 to import 06's checks on a loaded machine
+@pytest.mark.parametrize("forger", FORGED_RECOMPUTES)
+def test_a_recompute_that_forges_its_counts_gets_no_credit(forger):
+    from utils.checks.mixed_precision import check_recompute
+    forged = solution("06_mixed_precision", replace=FORGED_RECOMPUTES[forger])
+    with pytest.raises(AssertionError, match="doubled between forward and backward"):
+        check_recompute(forged.recompute, 8, 3, 6)
+
+
+@pytest.mark.slow  # 0.4 s, and 5 to import 06's checks on a loaded machine
+def test_a_plain_forward_is_still_named_by_its_counts():
+    """Without forging, a recompute that does not recompute is named as before (the notebooks' hints unchanged):
+    the doubled weights are checked after the counts."""
+    from utils.checks.mixed_precision import check_recompute
+    plain = solution("06_mixed_precision", replace={PLAIN: "    return block(x)"})
+    with pytest.raises(AssertionError, match=r"backward ran the layers' forward \[0, 0\] times"):
+        check_recompute(plain.recompute, 8, 2, 4)
+
+
+HONEST_RECOMPUTES = {
+    "slow: a pause before each recomputation": {
+        "        x = x.detach().requires_grad_()\n":
+        "        import time\n        time.sleep(0.1)\n        x = x.detach().requires_grad_()\n"},
+    "the input kept on ctx, not saved for backward": {
+        "        ctx.block = block\n        ctx.save_for_backward(x)\n":
+        "        ctx.block = block\n        ctx.x = x\n",
+        "        (x,) = ctx.saved_tensors\n        x = x.detach()": "        x = ctx.x.detach()"},
+}
+
+
+@pytest.mark.slow  # 2 s each, and 5 to import 06's checks on a loaded machine
+@pytest.mark.parametrize("way", HONEST_RECOMPUTES)
+def test_an_honest_recompute_still_passes(way, capsys):
+    from utils.checks.mixed_precision import check_recompute
+    check_recompute(solution("06_mixed_precision", replace=HONEST_RECOMPUTES[way]).recompute, 8, 3, 6)
+    assert "recompute: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # notebook 06 graded three times (the reference's run, then two submissions at once): 2 to 3 minutes
+@pytest.mark.skipif(not sandbox.bwrap(), reason="bubblewrap is not installed")
+def test_the_grader_gives_a_forged_recompute_no_credit_and_an_honest_slow_one_full(tmp_path, monkeypatch):
+    """Through python -m utils.grade: the forger loses the recompute exercise only; the honest slow student passes
+    everything."""
+    forger = "the records edited through the garbage collector"
+    write_class(tmp_path / "submitted", {
+        "mallory": ("06_mixed_precision.ipynb", handed_in("06_mixed_precision",
+                                                          replace=FORGED_RECOMPUTES[forger])),
+        "alice": ("06_mixed_precision.ipynb", handed_in("06_mixed_precision", replace=HONEST_RECOMPUTES[
+            "slow: a pause before each recomputation"]))})
+    rows, _, left = run_grader(tmp_path, monkeypatch, "--timeout", "600")
+    assert {r["verdict"] for r in rows["alice"]} == {"passed"}, [(r["exercise"], r["verdict"], r["message"])
+                                                                  for r in rows["alice"]]
+    verdicts = {r["exercise"]: r for r in rows["mallory"]}
+    forged = next(r for name, r in verdicts.items() if "recompute" in name.lower())
+    assert forged["verdict"] == "failed" and "doubled between forward and backward" in forged["message"], forged
+    assert [r["verdict"] for r in verdicts.values()].count("passed") == len(verdicts) - 1, [
+        (r["exercise"], r["verdict"], r["message"]) for r in rows["mallory"]]
+    assert not left
+
+
+# ---------------------------------------------------------------- 09: blocks computed, still forgeable
+
+SKIP = "            if not ra.visible(q_pos, k_pos, mask):\n                continue\n"
+
+# Every block computed, the hidden ones too (ra.block_attention gives them out 0, lse -inf: the values are right),
+# their record in the rank hidden.
+FORGED_BLOCKS = {
+    "the counter bypassed": """            if not ra.visible(q_pos, k_pos, mask):  # the untraced function
+                untraced = dict(zip(ra.block_attention.__code__.co_freevars,
+                                    (c.cell_contents for c in ra.block_attention.__closure__ or ())))
+                block = untraced.get("forward", ra.block_attention)(q[..., q_pos, :], k[..., k_pos, :],
+                                                                    v[..., k_pos, :], q_pos, k_pos, mask)
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+    "the record edited through the garbage collector": """            if not ra.visible(q_pos, k_pos, mask):
+                import gc
+                block = ra.block_attention(q[..., q_pos, :], k[..., k_pos, :], v[..., k_pos, :], q_pos, k_pos, mask)
+                for record in [o for o in gc.get_objects() if type(o) is list and o and isinstance(o[-1], tuple)
+                               and o[-1][:1] == ("forward",) and o[-1][1] == q_pos.tolist()]:
+                    record.pop()
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+    "the hidden blocks computed in a forked child": """            if not ra.visible(q_pos, k_pos, mask):
+                import os, pickle
+                read, write = os.pipe()
+                if os.fork() == 0:
+                    os.write(write, pickle.dumps(ra.block_attention(q[..., q_pos, :], k[..., k_pos, :],
+                                                                    v[..., k_pos, :], q_pos, k_pos, mask)))
+                    os._exit(0)
+                os.close(write)
+                with os.fdopen(read, "rb") as f:
+                    block = pickle.loads(f.read())
+                os.wait()
+                out, lse = block if out is None else merge(out, lse, *block)
+                continue
+""",
+}
+
+
+@pytest.mark.slow  # 1 s each, and seconds more to import 09's checks on a loaded machine
+@pytest.mark.xfail(strict=True, reason="09's hidden blocks: ra.block_attention computes no score of a hidden block "
+                   "(it skips every hidden pair of pieces itself) and returns out 0, lse -inf, so computing one "
+                   "changes no value and no work a measure outside the rank could see; only the rank's forgeable "
+                   "record of calls tells (utils.grading's docstring, 'The limits')")
+@pytest.mark.parametrize("forger", FORGED_BLOCKS)
+def test_blockwise_attention_that_forges_its_blocks_gets_no_credit(forger):
+    from utils.checks.context_parallel import check_blockwise_attention
+    forged = solution("09_context_parallel", replace={SKIP: FORGED_BLOCKS[forger]})
+    with pytest.raises(AssertionError, match="score entries computed are in blocks"):
+        check_blockwise_attention(forged.blockwise_attention)
+
+
+@pytest.mark.slow  # 1 s, and seconds more to import 09's checks on a loaded machine
+def test_blockwise_attention_that_computes_hidden_blocks_openly_is_named():
+    """The same method without forging is caught: the forgers above differ from it by the forging only."""
+    from utils.checks.context_parallel import check_blockwise_attention
+    open_ = solution("09_context_parallel", replace={SKIP: ""})
+    with pytest.raises(AssertionError, match="score entries computed are in blocks"):
+        check_blockwise_attention(open_.blockwise_attention)
+
+
+# ---------------------------------------------------------------- 11: backward calls, still forgeable
+
+W = "    torch.autograd.backward(y, grad, inputs=list(stage.parameters()))\n"
+
+# W back-propagates to the input again (a full backward), its record in the rank edited to show W alone.
+FORGED_SPLIT = """    import gc
+    record = next(o for o in gc.get_objects() if type(o).__name__ == "StepRecord")
+    before = len(record.events)
+    torch.autograd.backward(y, grad)  # the input's gradient computed once more
+    record.events[before:] = [e._replace(kind="W") for e in record.events[before:]]  # recorded as B: it reached x
+"""
+
+
+@pytest.mark.slow  # 2 s, and seconds more to import 11's checks on a loaded machine
+@pytest.mark.xfail(strict=True, reason="11's split backward: a W that computes the input's gradient again gives the "
+                   "same weight gradients; the extra work (one matmul per layer) is within an honest answer's spread, "
+                   "and only the rank's forgeable record of autograd's calls tells (utils.grading's docstring, "
+                   "'The limits')")
+def test_a_backward_split_that_forges_its_record_gets_no_credit():
+    from utils.checks.pipeline import check_backward_split
+    forged = solution("11_pipeline_schedules", replace={W: FORGED_SPLIT})
+    with pytest.raises(AssertionError, match="backward calls, as autograd saw them"):
+        check_backward_split(forged.backward_input, forged.backward_weight, 8, 4, 8, 2)
