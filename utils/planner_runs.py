@@ -661,10 +661,15 @@ LLAMA3_REDUCE = ("Meta accumulates a step's gradients in FP32 and reduce-scatter
                  "planner's ZeRO-2 reduce-scatters every micro-batch's 4-byte gradients, exposed on the network "
                  "(with 2-byte gradients it predicts 0.83 and 1.03 of the 8K rows), and its ZeRO-1, which reduces "
                  "once, holds whole FP32 gradients beside the activations it counts, more than fit.")
-LLAMA3_SCHEDULE = (" At 32 micro-batches per step it fits only plain 1F1B without recomputation (the interleaved "
-                   "schedule's activations come to 96-110 GB in its count, full recomputation costs a forward); "
-                   "Meta's own schedule (the number of micro-batches per round chosen freely, tensors freed once "
-                   "sent) holds less than the planner counts.")
+LLAMA3_SCHEDULE = (" At 32 micro-batches per step, V = 8 and no recomputation, rank 1 holds 2 (p - 2) + (v - 1) p + 1 "
+                   "= 141 one-layer pieces at its peak (Korthikanti et al. 2022's L (1 + (p - 1) / (p v)) for "
+                   "interleaving), 75.1 GB of activations at 65 KB per token and layer (Q, K, V, the attention's "
+                   "output, SwiGLU's three ffn-wide tensors and the norms' inputs over tp 8, with flash attention): "
+                   "88.7 GB with the model states and the assumed 5% fragmentation and 2 GB runtime, 3.2 GB over 80 "
+                   "GiB; the count without those two assumed margins (82.6 GB) fits, so the planner keeps full "
+                   "recomputation here. Meta's own schedule (micro-batches per round chosen freely, stage inputs and "
+                   "outputs freed once used, TORCH_NCCL_AVOID_RECORD_STREAMS) holds less than the planner counts, "
+                   "by an amount the paper does not give.")
 
 
 def _llama3():
@@ -674,15 +679,20 @@ def _llama3():
                 f"Table 4, row {gpus} GPUs, CP {cp}", dataclasses.replace(LLAMA3_405B, seq_len=seq, grad_bytes=4),
                 "H100-80GB",
                 gpus, 400,
-                Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=None,
+                Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=8,
                        stage_layers=(7,) + (8,) * 14 + (7,)),
                 tflops, flops="6p",
                 assumptions=("The paper does not print its FLOP formula: torchtitan's 6 P + 12 l h s per token "
                              "assumed (at 131,072 tokens its attention term outweighs 6 P).",
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
-                             "Micro-batch, recomputation and interleaving degree not printed; section 3.3.2 says "
-                             "the 8K runs needed no activation checkpointing, with an interleaved schedule.",
+                             "Micro-batch and recomputation not printed; section 3.3.2 says the 8K runs needed no "
+                             "activation checkpointing, with an interleaved schedule.",
+                             "V = 8 pieces of one layer per rank: section 3.3.2 takes one layer from the first and "
+                             "the last stage, and 'this means that the first model chunk on the first stage has only "
+                             "the embedding, and the last model chunk on the last stage has only output projection "
+                             "and loss calculation': a chunk is one layer's place, 128 places (126 layers, the "
+                             "embedding, the head) on 16 ranks. The interleaving degree is not printed otherwise.",
                              "Section 3.3.2 accumulates gradients over micro-batches and reduce-scatters them in "
                              "FP32: 4-byte gradients.",
                              "Table 4 as arXiv 2407.21783v3 (p. 10) prints it, quoted in stored notes; v1's text "
