@@ -723,8 +723,16 @@ def _torchtitan():
     source = ("pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26), "
               "Table {}")
     common = ("Sequence 8192 unless printed: the train_configs of torchtitan 9dec370.",
-              "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one (ZeRO-2): "
-              "torchtitan/parallelisms/parallelize_llama.py at 9dec370.",
+              "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one: "
+              "torchtitan/parallelisms/parallelize_llama.py at 9dec370. With one, PyTorch's pipelining also "
+              "turns FSDP's gradient reduction off for every micro-batch but the last "
+              "(torch/distributed/pipelining/stage.py, backward_maybe_with_nosync: set_requires_gradient_sync("
+              "False), set_reshard_after_backward(False)), and FSDP2 then keeps each parameter's whole gradient, "
+              "upcast to the fp32 reduce dtype, until that last reduce-scatter "
+              "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py, to_accumulated_grad_if_needed): whole bf16 "
+              "weights, whole fp32 gradients, sharded optimizer states, one reduce-scatter and one all-gather a "
+              "step, which is ZeRO-1 in memory and traffic. Counted as ZeRO-2 (gradients sharded), the planner "
+              "put these rows at 0.52-0.63 of the reserved memory; as ZeRO-1, 0.77-0.93.",
               "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
               "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
               TORCHTITAN_REDUCE)
@@ -765,14 +773,14 @@ def _torchtitan():
     # as Tables 5 and 6's titles say)
     for label, v, tps, gib in (("1F1B", 1, 100, 82.5), ("Interleaved 1F1B", 2, 128, 72.7)):
         add(5, label, "405B", 512, Layout(dp=8, tp=8, pp=8, global_batch=256, micro_batch_size=4, recompute="full",
-                                          zero_stage=2, virtual_stages=v, float8=True, tp_overlap=True), tps, gib,
+                                          zero_stage=1, virtual_stages=v, float8=True, tp_overlap=True), tps, gib,
             extra=("8 micro-batches (torchtitan's default: the pipeline degree), so 4 sequences each; interleaved "
                    "with 2 stages per rank.",))
     # Table 6: TP 8 x PP 8 (1F1B) with FSDP x CP, local batch 8, full recomputation, torch.compile + Float8 + AsyncTP
     for dp, cp, seq, tps, gib in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1),
                                   (1, 8, 262144, 16, 84.9)):
         add(6, f"FSDP {dp} CP {cp}", "405B", 512, Layout(dp=dp, tp=8, pp=8, cp=cp, global_batch=8 * dp,
-                                                         micro_batch_size=1, recompute="full", zero_stage=2,
+                                                         micro_batch_size=1, recompute="full", zero_stage=1,
                                                          float8=True, tp_overlap=True), tps, gib, seq,
             extra=("8 micro-batches of 1 (torchtitan's default: the pipeline degree).",), disagreement=cp_rows)
     # docs/performance.md (2024-06): Llama 3 on 64 A100 80GB, FSDP, local batch 1
