@@ -19,8 +19,11 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Throughput, met: 63 of 70 runs (90%) within 15%. The 7 that miss, each with its reason in its record
 # (format_disagreements): MT-NLG's three (1.23-1.28, with DeepSpeed's pipeline engine as it ran: blocking sends,
 # activations split over the tensor-parallel ranks, gradients whole),
-# Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.78, 0.76: its FP32 gradients, reduced once per step by Meta,
-# per micro-batch by the planner's ZeRO-2), torchtitan's 8B CP rows at 32K and 64K tokens (0.84, 0.73).
+# Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.81, 0.83 at V = 8, 0.78, 0.76 searched at V <= 4: its FP32
+# gradients, reduced once per step by Meta, per micro-batch by the planner's ZeRO-2; on 8,192 GPUs also full
+# recomputation, its activations without at V = 8 being 88.7 GB in Korthikanti et al.'s count), torchtitan's 8B CP
+# rows at 32K and 64K tokens (0.84, 0.73). Memory: torchtitan's 405B rows (FSDP under a pipeline: ZeRO-1's whole
+# fp32 gradients, PyTorch's pipelining reducing once a step) are predicted at 0.77-0.93 of the memory reserved.
 # Narayanan et al.'s ZeRO-3 rows agree since DeepSpeed 0.3's gathers tensor by tensor are counted (0.88-0.98; 1.22
 # and 1.16 at micro-batch 1 before), torchtitan's 405B rows since their AsyncTP is (Tables 5 and 6 say it ran).
 # Every trained layout fits (72 of 72): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
@@ -322,6 +325,14 @@ def test_torchtitans_reserved_memory_is_above_the_prediction(rows):
     for row in rows:
         if row["name"].startswith("torchtitan") and row["memory_ratio"] is not None:
             assert 0.4 < row["memory_ratio"] <= 1, (row["name"], row["memory_ratio"])
+
+
+def test_torchtitans_fsdp_under_a_pipeline_keeps_whole_fp32_gradients(rows):
+    # PyTorch's pipelining reduces FSDP's gradients after the last micro-batch only, whole and in fp32 until then:
+    # counted as ZeRO-2 (sharded gradients), these rows came to 0.52-0.63 of the memory torchtitan reserved
+    ratios = {r["name"]: r["memory_ratio"] for r in rows if r["name"].startswith("torchtitan 405B")}
+    assert len(ratios) == 6 and all(RUNS[name].layout.zero_stage == 1 for name in ratios)
+    assert all(0.75 < ratio <= 1 for ratio in ratios.values()), ratios
 
 
 def test_every_reported_out_of_memory_is_predicted(rows):
