@@ -43,7 +43,9 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # 1.24-1.27, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
 # OPT (1.27); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.65, 0.70  # the shares reached: a regression below them fails
+# torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
+# FSDP 128 (1.11: its best, no recomputation at local batch 2, no longer fits; TP 2 halves the logits), 46 of 72.
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.63, 0.70  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -320,11 +322,29 @@ def test_every_disagreement_says_why(rows):
     assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.2") for line in lines)
 
 
-def test_torchtitans_reserved_memory_is_above_the_prediction(rows):
-    # torchtitan reports the allocator's peak reserved memory; the planner what must be allocated
+def test_torchtitans_reserved_memory_is_above_the_tensors_predicted(rows):
+    # torchtitan reports the allocator's peak reserved memory; the planner's tensors (its total without the assumed
+    # fragmentation and runtime margins) must be allocated within it. With them, torch.compile's rows of Table 1
+    # and 3 come to 1.04-1.05: compiled blocks keep less than the eager count (5.8 GB less reserved than eager).
     for row in rows:
         if row["name"].startswith("torchtitan") and row["memory_ratio"] is not None:
-            assert 0.4 < row["memory_ratio"] <= 1, (row["name"], row["memory_ratio"])
+            run = RUNS[row["name"]]
+            config = pr.planner_config(run.layout, row["micro_batch_size"], row["recompute"], row["zero_stage"],
+                                       run.layout.virtual_stages)
+            m = run.layout.global_batch // (run.layout.dp * row["micro_batch_size"])
+            memory = pl.peak_memory(pr.planner_model(run.shape), config, m)[1]
+            tensors = memory["total"] - memory["fragmentation"] - memory["runtime"]
+            assert 0.7 < row["memory_ratio"] < 1.1 and tensors <= run.memory_bytes, (row["name"], row["memory_ratio"])
+
+
+def test_torchtitans_loss_holds_12_bytes_per_logit(rows):
+    # F.cross_entropy's backward: log-probabilities, their gradient, the logits' gradient; at Korthikanti et al.'s
+    # 4 bytes (Megatron's fused cross entropy) the 8B and 70B rows came to 0.51-0.84 of the memory reserved
+    assert all(run.layout.logit_bytes == 12 for run in pr.RUNS if run.name.startswith("torchtitan"))
+    model, config = pl.Model(num_layers=2, dim=16, num_heads=2, ffn_dim=32, seq_len=8, vocab_size=10), pl.Config()
+    assert pl.logits_bytes(model, dataclasses.replace(config, logit_bytes=12)) == 3 * pl.logits_bytes(model, config)
+    assert {r["name"]: r["memory_ratio"] > 0.73 for r in rows if r["name"].startswith("torchtitan 70B 2D")} == {
+        "torchtitan 70B 2D": True, "torchtitan 70B 2D + AsyncTP": True}
 
 
 def test_torchtitans_fsdp_under_a_pipeline_keeps_whole_fp32_gradients(rows):

@@ -89,6 +89,7 @@ class Layout:
     gather_copies: bool = False  # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart (Config.gather_copies)
     accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: gradients added into fp32 ones per micro-batch
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
+    logit_bytes: int = 4  # bytes per logit at the loss's peak: 4 fused (Megatron), 12 F.cross_entropy (torchtitan)
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
@@ -218,7 +219,7 @@ def planner_cluster(run, with_missing=False):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap")
+            "ep_overlap", "logit_bytes")
 
 
 def framework_settings(layout):
@@ -713,6 +714,13 @@ def llama3(size, seq_len=8192):
 TORCHTITAN_REDUCE = ("FSDP2 reduces gradients in fp32, torchtitan's default (training.mixed_precision_reduce "
                      "'float32'): 4-byte gradients.")
 
+# torchtitan's loss is PyTorch's F.cross_entropy on the model's fp32 logits (Transformer.forward's
+# self.output(h).float(), train.py's loss_fn at 9dec370): 12 bytes per logit at its backward's peak (memory.logits_bytes).
+TORCHTITAN_LOSS = ("The loss is PyTorch's F.cross_entropy on fp32 logits (torchtitan/models/llama/model.py's "
+                   "self.output(h).float(), train.py's loss_fn): in its backward the log-probabilities, their "
+                   "gradient and the logits' gradient, 12 bytes per logit (Layout.logit_bytes), where Megatron's "
+                   "fused cross entropy keeps Korthikanti et al.'s 4.")
+
 
 def titan(size, seq_len=8192):
     """A Llama 3.1 shape as torchtitan trains it: gradients reduced in fp32 (TORCHTITAN_REDUCE)."""
@@ -735,7 +743,7 @@ def _torchtitan():
               "put these rows at 0.52-0.63 of the reserved memory; as ZeRO-1, 0.77-0.93.",
               "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
               "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
-              TORCHTITAN_REDUCE)
+              TORCHTITAN_REDUCE, TORCHTITAN_LOSS)
     cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
                "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
                "No one attention efficiency fits all four: each GPU holds 32K tokens, and each further 32K keys "
@@ -746,7 +754,8 @@ def _torchtitan():
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
         runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
-                        titan(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
+                        titan(size, seq_len), "H100-96GB", gpus, 400, dataclasses.replace(layout, logit_bytes=12),
+                        tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra, disagreement=disagreement))
 
     # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16 eager, then torch.compile, then Float8
@@ -789,11 +798,12 @@ def _torchtitan():
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
-                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3,
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12,
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
                                      "described: 200 Gb/s per GPU assumed.", common[1], TORCHTITAN_REDUCE,
+                                     TORCHTITAN_LOSS,
                                      "Whether torch.compile was on is not said: fused element-wise work assumed.")))
     return runs
 
@@ -950,6 +960,9 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"llama3 ": Reason(
         "CP only to reach 131K tokens; at 8K, TP 8 in a node and Meta's interleaving (beyond the planner's memory)",
         LLAMA3_SOURCE, {"cp": {1}}),
+    r"torchtitan 8B FSDP \d+( \+|$)": Reason(
+        "a benchmark of FSDP alone (Tables 1 and 3: eager, torch.compile, Float8), at selective recomputation",
+        TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan \d+B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
         "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),

@@ -417,6 +417,8 @@ class Config:
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)
     fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
+    logit_bytes: int = 4  # bytes per logit at the loss's peak (memory.logits_bytes): 4, Megatron's fused cross
+    #                       entropy (Korthikanti et al.'s fp32 logits); 12, PyTorch's F.cross_entropy on fp32 logits
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's computation (DeepSeek-V3's
     #                           DualPipe, section 3.2.1: a forward and a backward chunk overlapped)
 
