@@ -29,7 +29,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Every trained layout fits (72 of 72): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
 # (one weight tensor gathered at a time, whole gradients until their reduce-scatter) and the last rank's logits
 # freed before its recomputation are counted: 84.3 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.2 (OOM).
-# The published split within 10% of the planner's best: 47 of 72 searched runs (65%), 51 of 72 (71%) among the choices
+# The published split within 10% of the planner's best: 46 of 72 searched runs (64%), 51 of 72 (71%) among the choices
 # each run's framework offered (utils.planner_runs.LAYOUT_REASONS). Every layout of a run's search is priced with its
 # framework's settings (no sequence parallel before 2022, eager kernels, Float8, AsyncTP, DeepSpeed's pipeline engine:
 # pr.framework_settings), given only the ZeRO stages the framework offers and the knobs the run states: 68% before
@@ -40,7 +40,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # without tensor parallel, or selective recomputation, neither of which Megatron-LM had); Korthikanti et al.'s
 # one-replica 22B (1.14); Llama 3 405B at 8K (1.39, 1.42: the planner's activations at TP 8 x PP 16 without
 # recomputation, 89.5-108.8 GB, do not fit, where Meta ran them without); torchtitan's benchmark tables (8B FSDP x CP
-# 1.24-1.27, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
+# 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
 # OPT (1.27); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
 # torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
