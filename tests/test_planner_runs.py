@@ -39,8 +39,9 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # baselines (1.80-4.13: the paper's point); Megatron-LM 2021 7.5B, 18.4B, 39.1B, 1008B (1.14-1.27: the best is ZeRO-3
 # without tensor parallel, or selective recomputation, neither of which Megatron-LM had); Korthikanti et al.'s
 # one-replica 22B (1.14); Llama 3 405B at 8K (1.39, 1.42: the planner's activations at TP 8 x PP 16 without
-# recomputation, 89.5-108.8 GB, do not fit, where Meta ran them without); torchtitan's benchmark tables (8B FSDP x CP
-# 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
+# recomputation, 89.5-108.8 GB, 88.7 at Meta's V = 8, do not fit, where Meta ran them without); torchtitan's
+# benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.35
+# and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
 # OPT (1.27); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
 # torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
