@@ -715,7 +715,8 @@ TORCHTITAN_REDUCE = ("FSDP2 reduces gradients in fp32, torchtitan's default (tra
                      "'float32'): 4-byte gradients.")
 
 # torchtitan's loss is PyTorch's F.cross_entropy on the model's fp32 logits (Transformer.forward's
-# self.output(h).float(), train.py's loss_fn at 9dec370): 12 bytes per logit at its backward's peak (memory.logits_bytes).
+# self.output(h).float(), train.py's loss_fn at 9dec370): 12 bytes per logit at its backward's peak
+# (memory.logits_bytes).
 TORCHTITAN_LOSS = ("The loss is PyTorch's F.cross_entropy on fp32 logits (torchtitan/models/llama/model.py's "
                    "self.output(h).float(), train.py's loss_fn): in its backward the log-probabilities, their "
                    "gradient and the logits' gradient, 12 bytes per logit (Layout.logit_bytes), where Megatron's "
