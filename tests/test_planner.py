@@ -213,6 +213,9 @@ def test_uneven_stages_are_placed_as_practitioners_place_them():
     assert pl.stage_layer_counts(61, 16) == (3,) + (4,) * 13 + (3, 3)  # DeepSeek-V3's 61 on 16
     assert pl.stage_layer_counts(70, 12) == (5,) + (6,) * 10 + (5,)
     assert pl.stage_layer_counts(8, 4) == (2,) * 4
+    # Llama 3's V = 8: 126 layers on 16 x 8 one-layer pieces, the first only the embedding, the last only the head
+    assert pl.stage_layer_counts(126, 128) == (0,) + (1,) * 126 + (0,)
+    assert pl.rank_layer_counts(126, 16, 8) == (7,) + (8,) * 14 + (7,)
     with pytest.raises(ValueError, match="do not fill pp 8 stages"):
         pl.stage_layer_counts(4, 8)
 

@@ -19,14 +19,17 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Throughput, met: 63 of 70 runs (90%) within 15%. The 7 that miss, each with its reason in its record
 # (format_disagreements): MT-NLG's three (1.23-1.28, with DeepSpeed's pipeline engine as it ran: blocking sends,
 # activations split over the tensor-parallel ranks, gradients whole),
-# Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.78, 0.76: its FP32 gradients, reduced once per step by Meta,
-# per micro-batch by the planner's ZeRO-2), torchtitan's 8B CP rows at 32K and 64K tokens (0.84, 0.73).
+# Llama 3 405B at 8K tokens on 8,192 and 16,384 GPUs (0.81, 0.83 at V = 8, 0.78, 0.76 searched at V <= 4: its FP32
+# gradients, reduced once per step by Meta, per micro-batch by the planner's ZeRO-2; on 8,192 GPUs also full
+# recomputation, its activations without at V = 8 being 88.7 GB in Korthikanti et al.'s count), torchtitan's 8B CP
+# rows at 32K and 64K tokens (0.84, 0.73). Memory: torchtitan's 405B rows (FSDP under a pipeline: ZeRO-1's whole
+# fp32 gradients, PyTorch's pipelining reducing once a step) are predicted at 0.77-0.93 of the memory reserved.
 # Narayanan et al.'s ZeRO-3 rows agree since DeepSpeed 0.3's gathers tensor by tensor are counted (0.88-0.98; 1.22
 # and 1.16 at micro-batch 1 before), torchtitan's 405B rows since their AsyncTP is (Tables 5 and 6 say it ran).
 # Every trained layout fits (72 of 72): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
 # (one weight tensor gathered at a time, whole gradients until their reduce-scatter) and the last rank's logits
 # freed before its recomputation are counted: 84.3 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.2 (OOM).
-# The published split within 10% of the planner's best: 47 of 72 searched runs (65%), 51 of 72 (71%) among the choices
+# The published split within 10% of the planner's best: 46 of 72 searched runs (64%), 51 of 72 (71%) among the choices
 # each run's framework offered (utils.planner_runs.LAYOUT_REASONS). Every layout of a run's search is priced with its
 # framework's settings (no sequence parallel before 2022, eager kernels, Float8, AsyncTP, DeepSpeed's pipeline engine:
 # pr.framework_settings), given only the ZeRO stages the framework offers and the knobs the run states: 68% before
@@ -36,11 +39,14 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # baselines (1.80-4.13: the paper's point); Megatron-LM 2021 7.5B, 18.4B, 39.1B, 1008B (1.14-1.27: the best is ZeRO-3
 # without tensor parallel, or selective recomputation, neither of which Megatron-LM had); Korthikanti et al.'s
 # one-replica 22B (1.14); Llama 3 405B at 8K (1.39, 1.42: the planner's activations at TP 8 x PP 16 without
-# recomputation, 89.5-108.8 GB, do not fit, where Meta ran them without); torchtitan's benchmark tables (8B FSDP x CP
-# 1.24-1.27, 70B 2D without AsyncTP 1.16, 405B schedules 1.35 and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
+# recomputation, 89.5-108.8 GB, 88.7 at Meta's V = 8, do not fit, where Meta ran them without); torchtitan's
+# benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.35
+# and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
 # OPT (1.27); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.65, 0.70  # the shares reached: a regression below them fails
+# torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
+# FSDP 128 (1.11: its best, no recomputation at local batch 2, no longer fits; TP 2 halves the logits), 46 of 72.
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.63, 0.70  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -317,11 +323,37 @@ def test_every_disagreement_says_why(rows):
     assert any(line.startswith("mt-nlg 530B 2240 (ratio 1.2") for line in lines)
 
 
-def test_torchtitans_reserved_memory_is_above_the_prediction(rows):
-    # torchtitan reports the allocator's peak reserved memory; the planner what must be allocated
+def test_torchtitans_reserved_memory_is_above_the_tensors_predicted(rows):
+    # torchtitan reports the allocator's peak reserved memory; the planner's tensors (its total without the assumed
+    # fragmentation and runtime margins) must be allocated within it. With them, torch.compile's rows of Table 1
+    # and 3 come to 1.04-1.05: compiled blocks keep less than the eager count (5.8 GB less reserved than eager).
     for row in rows:
         if row["name"].startswith("torchtitan") and row["memory_ratio"] is not None:
-            assert 0.4 < row["memory_ratio"] <= 1, (row["name"], row["memory_ratio"])
+            run = RUNS[row["name"]]
+            config = pr.planner_config(run.layout, row["micro_batch_size"], row["recompute"], row["zero_stage"],
+                                       run.layout.virtual_stages)
+            m = run.layout.global_batch // (run.layout.dp * row["micro_batch_size"])
+            memory = pl.peak_memory(pr.planner_model(run.shape), config, m)[1]
+            tensors = memory["total"] - memory["fragmentation"] - memory["runtime"]
+            assert 0.7 < row["memory_ratio"] < 1.1 and tensors <= run.memory_bytes, (row["name"], row["memory_ratio"])
+
+
+def test_torchtitans_loss_holds_12_bytes_per_logit(rows):
+    # F.cross_entropy's backward: log-probabilities, their gradient, the logits' gradient; at Korthikanti et al.'s
+    # 4 bytes (Megatron's fused cross entropy) the 8B and 70B rows came to 0.51-0.84 of the memory reserved
+    assert all(run.layout.logit_bytes == 12 for run in pr.RUNS if run.name.startswith("torchtitan"))
+    model, config = pl.Model(num_layers=2, dim=16, num_heads=2, ffn_dim=32, seq_len=8, vocab_size=10), pl.Config()
+    assert pl.logits_bytes(model, dataclasses.replace(config, logit_bytes=12)) == 3 * pl.logits_bytes(model, config)
+    assert {r["name"]: r["memory_ratio"] > 0.73 for r in rows if r["name"].startswith("torchtitan 70B 2D")} == {
+        "torchtitan 70B 2D": True, "torchtitan 70B 2D + AsyncTP": True}
+
+
+def test_torchtitans_fsdp_under_a_pipeline_keeps_whole_fp32_gradients(rows):
+    # PyTorch's pipelining reduces FSDP's gradients after the last micro-batch only, whole and in fp32 until then:
+    # counted as ZeRO-2 (sharded gradients), these rows came to 0.52-0.63 of the memory torchtitan reserved
+    ratios = {r["name"]: r["memory_ratio"] for r in rows if r["name"].startswith("torchtitan 405B")}
+    assert len(ratios) == 6 and all(RUNS[name].layout.zero_stage == 1 for name in ratios)
+    assert all(0.75 < ratio <= 1 for ratio in ratios.values()), ratios
 
 
 def test_every_reported_out_of_memory_is_predicted(rows):

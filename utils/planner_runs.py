@@ -89,6 +89,7 @@ class Layout:
     gather_copies: bool = False  # DeepSpeed 0.3's ZeRO-3: each weight tensor gathered apart (Config.gather_copies)
     accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: gradients added into fp32 ones per micro-batch
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
+    logit_bytes: int = 4  # bytes per logit at the loss's peak: 4 fused (Megatron), 12 F.cross_entropy (torchtitan)
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
@@ -218,7 +219,7 @@ def planner_cluster(run, with_missing=False):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap")
+            "ep_overlap", "logit_bytes")
 
 
 def framework_settings(layout):
@@ -661,10 +662,15 @@ LLAMA3_REDUCE = ("Meta accumulates a step's gradients in FP32 and reduce-scatter
                  "planner's ZeRO-2 reduce-scatters every micro-batch's 4-byte gradients, exposed on the network "
                  "(with 2-byte gradients it predicts 0.83 and 1.03 of the 8K rows), and its ZeRO-1, which reduces "
                  "once, holds whole FP32 gradients beside the activations it counts, more than fit.")
-LLAMA3_SCHEDULE = (" At 32 micro-batches per step it fits only plain 1F1B without recomputation (the interleaved "
-                   "schedule's activations come to 96-110 GB in its count, full recomputation costs a forward); "
-                   "Meta's own schedule (the number of micro-batches per round chosen freely, tensors freed once "
-                   "sent) holds less than the planner counts.")
+LLAMA3_SCHEDULE = (" At 32 micro-batches per step, V = 8 and no recomputation, rank 1 holds 2 (p - 2) + (v - 1) p + 1 "
+                   "= 141 one-layer pieces at its peak (Korthikanti et al. 2022's L (1 + (p - 1) / (p v)) for "
+                   "interleaving), 75.1 GB of activations at 65 KB per token and layer (Q, K, V, the attention's "
+                   "output, SwiGLU's three ffn-wide tensors and the norms' inputs over tp 8, with flash attention): "
+                   "88.7 GB with the model states and the assumed 5% fragmentation and 2 GB runtime, 3.2 GB over 80 "
+                   "GiB; the count without those two assumed margins (82.6 GB) fits, so the planner keeps full "
+                   "recomputation here. Meta's own schedule (micro-batches per round chosen freely, stage inputs and "
+                   "outputs freed once used, TORCH_NCCL_AVOID_RECORD_STREAMS) holds less than the planner counts, "
+                   "by an amount the paper does not give.")
 
 
 def _llama3():
@@ -674,15 +680,20 @@ def _llama3():
                 f"Table 4, row {gpus} GPUs, CP {cp}", dataclasses.replace(LLAMA3_405B, seq_len=seq, grad_bytes=4),
                 "H100-80GB",
                 gpus, 400,
-                Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=None,
+                Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=8,
                        stage_layers=(7,) + (8,) * 14 + (7,)),
                 tflops, flops="6p",
                 assumptions=("The paper does not print its FLOP formula: torchtitan's 6 P + 12 l h s per token "
                              "assumed (at 131,072 tokens its attention term outweighs 6 P).",
                              "FSDP 'shards optimizer states and gradients' and keeps the weights after forward: "
                              "counted as ZeRO-2; the first and last stages hold one layer fewer (section 3.3.2).",
-                             "Micro-batch, recomputation and interleaving degree not printed; section 3.3.2 says "
-                             "the 8K runs needed no activation checkpointing, with an interleaved schedule.",
+                             "Micro-batch and recomputation not printed; section 3.3.2 says the 8K runs needed no "
+                             "activation checkpointing, with an interleaved schedule.",
+                             "V = 8 pieces of one layer per rank: section 3.3.2 takes one layer from the first and "
+                             "the last stage, and 'this means that the first model chunk on the first stage has only "
+                             "the embedding, and the last model chunk on the last stage has only output projection "
+                             "and loss calculation': a chunk is one layer's place, 128 places (126 layers, the "
+                             "embedding, the head) on 16 ranks. The interleaving degree is not printed otherwise.",
                              "Section 3.3.2 accumulates gradients over micro-batches and reduce-scatters them in "
                              "FP32: 4-byte gradients.",
                              "Table 4 as arXiv 2407.21783v3 (p. 10) prints it, quoted in stored notes; v1's text "
@@ -703,6 +714,14 @@ def llama3(size, seq_len=8192):
 TORCHTITAN_REDUCE = ("FSDP2 reduces gradients in fp32, torchtitan's default (training.mixed_precision_reduce "
                      "'float32'): 4-byte gradients.")
 
+# torchtitan's loss is PyTorch's F.cross_entropy on the model's fp32 logits (Transformer.forward's
+# self.output(h).float(), train.py's loss_fn at 9dec370): 12 bytes per logit at its backward's peak
+# (memory.logits_bytes).
+TORCHTITAN_LOSS = ("The loss is PyTorch's F.cross_entropy on fp32 logits (torchtitan/models/llama/model.py's "
+                   "self.output(h).float(), train.py's loss_fn): in its backward the log-probabilities, their "
+                   "gradient and the logits' gradient, 12 bytes per logit (Layout.logit_bytes), where Megatron's "
+                   "fused cross entropy keeps Korthikanti et al.'s 4.")
+
 
 def titan(size, seq_len=8192):
     """A Llama 3.1 shape as torchtitan trains it: gradients reduced in fp32 (TORCHTITAN_REDUCE)."""
@@ -713,11 +732,19 @@ def _torchtitan():
     source = ("pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26), "
               "Table {}")
     common = ("Sequence 8192 unless printed: the train_configs of torchtitan 9dec370.",
-              "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one (ZeRO-2): "
-              "torchtitan/parallelisms/parallelize_llama.py at 9dec370.",
+              "FSDP reshards after forward (ZeRO-3) without a pipeline, and not with one: "
+              "torchtitan/parallelisms/parallelize_llama.py at 9dec370. With one, PyTorch's pipelining also "
+              "turns FSDP's gradient reduction off for every micro-batch but the last "
+              "(torch/distributed/pipelining/stage.py, backward_maybe_with_nosync: set_requires_gradient_sync("
+              "False), set_reshard_after_backward(False)), and FSDP2 then keeps each parameter's whole gradient, "
+              "upcast to the fp32 reduce dtype, until that last reduce-scatter "
+              "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py, to_accumulated_grad_if_needed): whole bf16 "
+              "weights, whole fp32 gradients, sharded optimizer states, one reduce-scatter and one all-gather a "
+              "step, which is ZeRO-1 in memory and traffic. Counted as ZeRO-2 (gradients sharded), the planner "
+              "put these rows at 0.52-0.63 of the reserved memory; as ZeRO-1, 0.77-0.93.",
               "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
               "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
-              TORCHTITAN_REDUCE)
+              TORCHTITAN_REDUCE, TORCHTITAN_LOSS)
     cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
                "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
                "No one attention efficiency fits all four: each GPU holds 32K tokens, and each further 32K keys "
@@ -728,7 +755,8 @@ def _torchtitan():
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
         runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
-                        titan(size, seq_len), "H100-96GB", gpus, 400, layout, tps, unit="tokens_per_s_per_gpu",
+                        titan(size, seq_len), "H100-96GB", gpus, 400, dataclasses.replace(layout, logit_bytes=12),
+                        tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra, disagreement=disagreement))
 
     # Table 1 and 3: FSDP, local batch 2, selective (op) recomputation; bf16 eager, then torch.compile, then Float8
@@ -755,14 +783,14 @@ def _torchtitan():
     # as Tables 5 and 6's titles say)
     for label, v, tps, gib in (("1F1B", 1, 100, 82.5), ("Interleaved 1F1B", 2, 128, 72.7)):
         add(5, label, "405B", 512, Layout(dp=8, tp=8, pp=8, global_batch=256, micro_batch_size=4, recompute="full",
-                                          zero_stage=2, virtual_stages=v, float8=True, tp_overlap=True), tps, gib,
+                                          zero_stage=1, virtual_stages=v, float8=True, tp_overlap=True), tps, gib,
             extra=("8 micro-batches (torchtitan's default: the pipeline degree), so 4 sequences each; interleaved "
                    "with 2 stages per rank.",))
     # Table 6: TP 8 x PP 8 (1F1B) with FSDP x CP, local batch 8, full recomputation, torch.compile + Float8 + AsyncTP
     for dp, cp, seq, tps, gib in ((8, 1, 32768, 76, 75.3), (4, 2, 65536, 47, 75.9), (2, 4, 131072, 31, 77.1),
                                   (1, 8, 262144, 16, 84.9)):
         add(6, f"FSDP {dp} CP {cp}", "405B", 512, Layout(dp=dp, tp=8, pp=8, cp=cp, global_batch=8 * dp,
-                                                         micro_batch_size=1, recompute="full", zero_stage=2,
+                                                         micro_batch_size=1, recompute="full", zero_stage=1,
                                                          float8=True, tp_overlap=True), tps, gib, seq,
             extra=("8 micro-batches of 1 (torchtitan's default: the pipeline degree).",), disagreement=cp_rows)
     # docs/performance.md (2024-06): Llama 3 on 64 A100 80GB, FSDP, local batch 1
@@ -771,11 +799,12 @@ def _torchtitan():
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
-                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3,
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12,
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
                                      "described: 200 Gb/s per GPU assumed.", common[1], TORCHTITAN_REDUCE,
+                                     TORCHTITAN_LOSS,
                                      "Whether torch.compile was on is not said: fused element-wise work assumed.")))
     return runs
 
@@ -932,6 +961,9 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"llama3 ": Reason(
         "CP only to reach 131K tokens; at 8K, TP 8 in a node and Meta's interleaving (beyond the planner's memory)",
         LLAMA3_SOURCE, {"cp": {1}}),
+    r"torchtitan 8B FSDP \d+( \+|$)": Reason(
+        "a benchmark of FSDP alone (Tables 1 and 3: eager, torch.compile, Float8), at selective recomputation",
+        TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan \d+B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
         "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),

@@ -417,6 +417,8 @@ class Config:
     #                                             split over tp (Megatron-LM's --distribute-checkpointed-activations)
     float8: bool = False  # the layers' linear products in float8 (torchao's Float8Linear, dynamic tensorwise scaling)
     fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
+    logit_bytes: int = 4  # bytes per logit at the loss's peak (memory.logits_bytes): 4, Megatron's fused cross
+    #                       entropy (Korthikanti et al.'s fp32 logits); 12, PyTorch's F.cross_entropy on fp32 logits
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's computation (DeepSeek-V3's
     #                           DualPipe, section 3.2.1: a forward and a backward chunk overlapped)
 
@@ -425,16 +427,20 @@ class Config:
 def stage_layer_counts(num_layers, pp):
     """Layers per pipeline stage, as practitioners place them: ceil(L / pp) each, and the layers that are missing
     taken from the stages that also carry the embedding or the head, last and first, then their neighbours
-    (Llama 3 405B: 126 layers on 16 stages, the first and last stage one layer fewer; Dubey et al. 2024, 3.3.2)."""
-    if pp > num_layers:
-        raise ValueError(f"num layers {num_layers} do not fill pp {pp} stages: every stage needs a layer")
+    (Llama 3 405B: 126 layers on 16 stages, the first and last stage one layer fewer; Dubey et al. 2024, 3.3.2).
+    The first and last stage may hold no layer: Llama 3's interleaved pieces, "the first model chunk on the first
+    stage has only the embedding, and the last model chunk on the last stage has only output projection and loss
+    calculation" (ibid.), 126 layers on 16 x 8 pieces of one layer each; every other stage needs one."""
+    if num_layers < max(1, pp - 2):
+        raise ValueError(f"num layers {num_layers} do not fill pp {pp} stages: every stage needs a layer, but the "
+                         f"first and last, which carry the embedding and the head")
     full = -(-num_layers // pp)
     counts = [full] * pp
     missing = full * pp - num_layers
     for i in (i for pair in zip(range(pp - 1, -1, -1), range(pp)) for i in pair):
         if not missing:
             break
-        if counts[i] > 1:
+        if counts[i] > (0 if i in (0, pp - 1) else 1):
             counts[i] -= 1
             missing -= 1
     return tuple(counts)

@@ -151,9 +151,13 @@ def layer_activation_bytes(model, config, recompute=None):
 
 
 def logits_bytes(model, config):
-    """The last stage's fp32 logits of one micro-batch, 4 s b V / t (Korthikanti et al. 2022, section 4.2: the
-    output layer's cross entropy in fp32), s = seq_len / cp."""
-    return 4 * model.seq_len / config.cp * config.micro_batch_size * model.vocab_size / config.tp
+    """The last stage's fp32 logits of one micro-batch at the loss's peak, config.logit_bytes s b V / t, s = seq_len /
+    cp. Korthikanti et al. 2022 (section 4.2) count 4 s b V / t: Megatron's fused vocab-parallel cross entropy keeps
+    the fp32 softmax in place of the logits and writes their gradient over it. PyTorch's F.cross_entropy (log_softmax
+    then nll_loss; torchtitan's, on the model's fp32 output) holds three such tensors in its backward: the
+    log-probabilities log_softmax saved, nll_loss's dense gradient of them, and log_softmax's gradient of its input
+    (tools/autograd/derivatives.yaml): logit_bytes = 12."""
+    return config.logit_bytes * model.seq_len / config.cp * config.micro_batch_size * model.vocab_size / config.tp
 
 
 def micro_batches_in_flight(config, num_micro_batches, stage=0):
