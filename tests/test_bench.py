@@ -63,6 +63,32 @@ def test_a_chain_is_held_to_chance_as_a_family():
     assert [bench.runs_needed(k) for k in (2, 3, 5, 6, 7, 18, 19)] == [5, 6, 6, 7, 7, 7, 8]
 
 
+def three_ratios(runs, claims=3):
+    # three variants each clearly slower than one baseline, the ratios printed by one cell: a family of 3 claims
+    base = bench.spread([1.0 + 0.01 * i for i in range(runs)])
+    slower = {name: bench.spread([k + 0.01 * i for i in range(runs)]) for name, k in (("x", 2), ("y", 3), ("z", 4))}
+    return [bench.ratio_verdict(name, s, "base", base, claims=claims) for name, s in slower.items()]
+
+
+def test_ratios_printed_together_are_held_to_chance_as_a_family():
+    # 5 runs each (1 in 126) are enough for one ratio, not for one of 3 (each at 1 in 300): 6 (1 in 462) are
+    assert three_ratios(5, claims=1)[0] == "x / base = 1.98 (runs allow 1.92 to 2.04)"
+    lines = three_ratios(5)
+    assert lines[0] == ("this machine cannot separate x and base: 5 runs are too few to tell in a family of 3 claims "
+                        "(ratio 1.92 to 2.04)")
+    assert all("too few to tell in a family of 3 claims" in line for line in lines)
+    assert [bench.verdict_relations(line) for line in lines] == [set()] * 3
+    assert bench.runs_needed(3 + 1) == 6
+    lines = three_ratios(6)
+    assert lines[2] == "z / base = 3.93 (runs allow 3.81 to 4.05)"
+    assert [bench.verdict_relations(line) for line in lines] == [{("base", name)} for name in "xyz"]
+    # a loaded run's "too few" agrees with the stored ratios; the stored ratios are the verdicts the loaded-run
+    # check finds (tests/test_timing_verdicts.py)
+    assert all(bench.verdicts_agree(stored, loaded) for stored, loaded in zip(three_ratios(6), three_ratios(5)))
+    from test_timing_verdicts import VERDICT  # tests/ is on the path of its own tests
+    assert all(VERDICT.search(line) for line in three_ratios(5) + three_ratios(6))
+
+
 def four_apart(runs):
     return {name: bench.spread([base + 0.01 * i for i in range(runs)]) for name, base in zip("dcba", (4, 3, 2, 1))}
 

@@ -88,7 +88,9 @@ CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that
 # a family (Bonferroni): each of its k - 1 claims at CHANCE / (k - 1). Two variants need 5 runs each (1 in 126);
 # a chain of 3 to 5 needs 6 each (1 in 462), of 6 to 18 7 each (1 in 1716). And a `<` in a chain claims every
 # variant before it faster than every one after it (verdict_relations reads it so): it is printed only where
-# all their runs separate, not just the two neighbours'.
+# all their runs separate, not just the two neighbours'. Several ratio_verdict lines printed by one cell about one
+# set of runs are a family too: each is passed claims=k, the number of such lines, and the cell takes
+# runs_needed(k + 1) runs (the runs of a chain of k + 1).
 
 
 def spread(samples):
@@ -128,9 +130,10 @@ def separated(a, b, claims=1):
     return enough_runs(a, b, claims) and (a.high < b.low or b.high < a.low)
 
 
-def why_not_separated(a, b):
+def why_not_separated(a, b, claims=1):
     if a.high < b.low or b.high < a.low:
-        return f"{min(a.runs, b.runs)} runs are too few to tell"
+        family = f" in a family of {claims} claims" if claims > 1 else ""
+        return f"{min(a.runs, b.runs)} runs are too few to tell{family}"
     return "their runs overlap"
 
 
@@ -159,13 +162,15 @@ def order_verdict(spreads, ends=("fastest", "slowest")):
     return f"{ends[0]} to {ends[1]}: {chain}{tail}"
 
 
-def ratio_verdict(a_name, a, b_name, b):
-    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate;
-    otherwise that this machine cannot separate them (with the range, which then includes 1)."""
+def ratio_verdict(a_name, a, b_name, b, claims=1):
+    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate from
+    runs enough for one of `claims` claims held to CHANCE together (a cell that prints k ratio lines about one
+    set of runs passes claims=k, and takes runs_needed(k + 1) runs); otherwise that this machine cannot separate
+    them (with the range, which then includes 1 or rests on too few runs)."""
     low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
-    if separated(a, b):
+    if separated(a, b, claims):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"
-    return (f"this machine cannot separate {a_name} and {b_name}: {why_not_separated(a, b)} "
+    return (f"this machine cannot separate {a_name} and {b_name}: {why_not_separated(a, b, claims)} "
             f"(ratio {low:.2f} to {high:.2f})")
 
 
