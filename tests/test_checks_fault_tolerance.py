@@ -273,9 +273,10 @@ CHECKPOINT = [
     ({"        for old_rank in range(saved_on):\n": "        for old_rank in range(world_size):\n"},
      "load_checkpoint on rank 2 of 3 read the old shards \\[2\\] \\(saved on 4 ranks\\); it needs \\[2, 3\\] "
      "\\(the old shards its new range overlaps"),
-    # the shard sizes never gathered: rank 0 does not wait for the others' files (and its metadata says 0 bytes)
+    # the shard sizes never gathered: rank 0 does not wait for the others' files (and its metadata says 0 bytes);
+    # it names the first file missing, rank 1's unless a loaded machine let rank 1 write before ranks 2 and 3 (a race)
     ({"    dist.all_gather_single(shard_bytes, torch.tensor([os.path.getsize(path)]))\n": ""},
-     "rank 0 wrote the metadata before rank 1's shard file existed"),
+     "rank 0 wrote the metadata before rank [1-3]'s shard file existed"),
     # no barrier at the end: a rank returns (and a restart may look) before the metadata is written
     ({"    dist.barrier()  # no rank goes on before the metadata is written: the checkpoint is complete\n": ""},
      "save_checkpoint returned on rank \\d before rank 0 had written the metadata"),
@@ -286,7 +287,7 @@ CHECKPOINT = [
     ({"    shard_bytes = torch.zeros(world_size, dtype=torch.int64)\n"
       "    dist.all_gather_single(shard_bytes, torch.tensor([os.path.getsize(path)]))\n":
       "    shard_bytes = torch.tensor([os.path.getsize(path)] * world_size)\n"},
-     "rank 0 wrote the metadata before rank 1's shard file existed"),
+     "rank 0 wrote the metadata before rank [1-3]'s shard file existed"),
     # the TrainState itself saved: torch.load(weights_only=True) refuses it
     ({'torch.save({"sharded": state.sharded, "rng": state.rng}, path)': "torch.save(state, path)"},
      "shard_0.pt cannot be loaded with torch.load\\(weights_only=True\\)"),
