@@ -333,7 +333,7 @@ TERMS = ("compute_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "bubble_s", "optim
 
 def _knobs(row):
     split = " ".join(f"{a}{row[a]}" for a in LAYOUT_AXES)
-    schedule = f"{row['schedule']}{row['v']}" if row["pp"] > 1 else ""
+    schedule = "" if row["pp"] == 1 else f"interleaved v{row['v']}" if row["v"] > 1 else row["schedule"]
     return (f"{split} mbs{row['micro_batch_size']} {schedule} {row['recompute']} zero{row['zero_stage']} "
             f"{row['memory_gb']:.0f} GB").replace("  ", " ")
 
@@ -362,7 +362,8 @@ def validate(runs, search=True):
     throughput and memory, whether the planner fits it (and whether the source says it ran out of memory), the
     published split's rank and gap in the planner's search, with the search's best row and the published split's
     ('best', 'published': format_layout_terms; search=False skips the search: the whole table in under a second),
-    the knobs the planner chose where the source is silent, and what the record holds that the planner lacks. A run the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
+    the knobs the planner chose where the source is silent, and what the record holds that the planner lacks. A run
+    the planner refuses, or cannot express, has the reason in 'error' and is not compared."""
     rows = []
     for run in runs:
         row = {"name": run.name, "reported_s": reported_step_seconds(run), "predicted_s": None, "ratio": None,
