@@ -179,25 +179,26 @@ class Model:
         return self.attention_params + 2 * self.norm_params + router + mlp
 
     @functools.cached_property
+    def attention_weight_tensors(self):
+        """Elements of each of attention's weight matrices as its module holds them: Megatron-LM's GPT (biases)
+        holds wq, wk and wv as one query_key_value (megatron/model/transformer.py, ParallelSelfAttention)."""
+        sizes = [k * n for k, n in self.attention_matrices]
+        return [sum(sizes[:3])] + sizes[3:] if self.biases and not self.mla else sizes
+
+    @functools.cached_property
     def layer_weight_tensors(self):
         """A layer's weight tensors as its module holds them (what a framework gathering tensor by tensor gathers):
-        two norms, attention's matrices, the MLP's (each norm and matrix with its bias, with biases); Megatron-LM's
-        GPT (biases) holds wq, wk and wv as one query_key_value (megatron/model/transformer.py, ParallelSelfAttention):
-        12 tensors; Llama's as torchtitan holds it, 9. A MoE layer's router and experts besides."""
-        attention = len(self.attention_matrices) - 2 * self.biases  # Megatron's fused query_key_value
+        two norms, attention's matrices, the MLP's (each norm and matrix with its bias, with biases): Megatron-LM's
+        GPT 12 tensors, Llama's as torchtitan holds it 9. A MoE layer's router and experts besides."""
         mlps = self.n_shared_experts + self.num_experts if self.moe else 1
-        matrices = attention + self.ffn_matrices * mlps
+        matrices = len(self.attention_weight_tensors) + self.ffn_matrices * mlps
         return (2 + matrices) * (1 + self.biases) + self.moe  # + the router
 
     @functools.cached_property
     def largest_weight_tensor(self):
         """Elements of a layer's largest weight tensor (what a framework gathering tensor by tensor holds whole at
-        once): an MLP matrix dim x ffn_dim, or one of attention's; Megatron-LM's GPT (biases) holds wq, wk and wv
-        as one query_key_value (layer_weight_tensors)."""
-        attention = [k * n for k, n in self.attention_matrices]
-        if self.biases and not self.mla:
-            attention = [sum(attention[:3])] + attention[3:]
-        return max(attention + [self.dim * self.ffn_dim])
+        once): an MLP matrix dim x ffn_dim, or one of attention's (attention_weight_tensors)."""
+        return max(self.attention_weight_tensors + [self.dim * self.ffn_dim])
 
     @functools.cached_property
     def dense_layer(self):

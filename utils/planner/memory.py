@@ -187,8 +187,15 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
         piece += layers * layer_activation_bytes(kind, config)
     kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
-        kept += max(layer_activation_bytes(kind, config, recompute="none") for kind, _ in kinds)
+        kept += recomputed_layer_bytes(model, config, stage)
     return kept
+
+
+def recomputed_layer_bytes(model, config, stage):
+    """What full recomputation holds on top of the saved inputs, on pipeline rank `stage`: the rank's largest layer
+    recomputed in full during its backward."""
+    return max(layer_activation_bytes(kind, config, recompute="none")
+               for kind, _ in rank_layer_kinds(model, config.pp, config.v, stage))
 
 
 def logits_beyond_recompute(model, config, stage):
@@ -203,9 +210,7 @@ def logits_beyond_recompute(model, config, stage):
     logits = logits_bytes(model, config)
     if config.recompute != "full" or config.v != 1:
         return logits
-    recomputed = max(layer_activation_bytes(kind, config, recompute="none")
-                     for kind, _ in rank_layer_kinds(model, config.pp, config.v, stage))
-    return max(0.0, logits - recomputed)
+    return max(0.0, logits - recomputed_layer_bytes(model, config, stage))
 
 
 def memory_per_device(model, config, num_micro_batches, stage=0):
