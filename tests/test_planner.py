@@ -309,6 +309,20 @@ def test_fsdp_gathers_per_micro_batch_zero1_once_per_step():
     assert math.isclose(dp[1, 256], dp[1, 64])  # once per step
 
 
+def test_zero2_without_prefetch_gathers_each_layer_on_demand_once_per_step():
+    # FairScale's FSDP without resharding (OPT): the updated weights gathered as each unit's forward starts, waited
+    # for; with prefetch, beside the first forward's layers (hidden here: the layers' forward is longer)
+    model = pl.Model(32, 4096, 32, 11008, 2048, 32000, num_kv_heads=8, ffn_matrices=3)
+    cluster = pl.cluster("A100 80GB", 64)
+    config = pl.Config(dp=64, zero_stage=2, micro_batch_size=8, recompute="full")
+    dp = {p: {b: pl.estimate(model, cluster, b, dataclasses.replace(config, prefetch=p))["dp_s"] for b in (512, 2048)}
+          for p in (True, False)}
+    n, link = 64, cluster.inter
+    gather = pl.collective_seconds("all_gather", n, model.layer_dense_params * model.param_bytes, link)
+    assert math.isclose(dp[False][512] - dp[True][512], (model.num_layers - 1) * gather, rel_tol=1e-9)
+    assert math.isclose(dp[False][2048] - dp[True][2048], dp[False][512] - dp[True][512])  # once per step
+
+
 def test_the_root_units_gather_and_reduce_are_exposed_per_micro_batch_with_fsdp_once_per_step_with_zero1():
     # FSDP2's root unit (embedding, final norm, output layer): gathered before the first layer, reduce-scattered
     # after the last gradient, nothing beside either; ZeRO-1 reduces and gathers it once per step

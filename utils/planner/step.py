@@ -26,7 +26,8 @@ than that computation is exposed.
         micro-batch's must leave before the next accumulates), ZeRO-0/1 once per step (all-reduce, reduce-scatter)
         beside the last micro-batch's backward, layer by layer; ZeRO-1/2's all-gather of the updated weights beside
         the next step's first forward, layer by layer (Megatron-LM's --overlap-param-gather). Config.prefetch
-        False: FSDP's gathers are issued when a layer starts, exposed; its reduce-scatters still overlap.
+        False: FSDP's gathers are issued when a layer starts, exposed, ZeRO-1/2's per-step ones too (FairScale's
+        FSDP without resharding, which OPT ran); its reduce-scatters still overlap.
         The weights outside the layers (embedding, final norm, output layer: FSDP2's root unit) on the first and
         last pipeline ranks: gathered and reduced, exposed, per micro-batch with FSDP, once per step otherwise.
     bubble  1F1B (p-1)(F+B+W); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) for m >= p, counted exactly with
@@ -315,8 +316,12 @@ def _layers_part(per_layer, config, layers, stage, ends=True):
     if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights (the root's last and first)
         if c.zero_stage <= 1:
             part["per_step"] += hidden_behind(reduce, backward_layer, layers) + reduce + root_reduce
-        if c.zero_stage in (1, 2):
-            part["per_step"] += hidden_behind(gather, lt.forward, layers) + gather + root_gather
+        if c.zero_stage in (1, 2):  # the updated weights gathered beside the first forward, or on demand
+            # (Config.prefetch False: FairScale's FSDP, which OPT ran with --no-reshard-after-forward, gathers a
+            # unit's weights as its forward starts and waits for them, fully_sharded_data_parallel.py's forward ->
+            # _rebuild_full_params -> current_stream().wait_stream(all_gather): no unit gathers the next one's)
+            ahead = hidden_behind(gather, lt.forward, layers) + gather if c.prefetch else layers * gather
+            part["per_step"] += ahead + root_gather
     return part
 
 
