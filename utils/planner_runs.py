@@ -896,22 +896,29 @@ def _others():
                              "reduced in fp32 (4 bytes), each micro-batch's added into them after its backward "
                              "(accumulate_fp32)."))
     metaseq = "facebookresearch/metaseq at f7ffa5fd61 (2023-06)"
-    opt = Run("opt 175B", f"Zhang et al. 2022, 'OPT' (arXiv 2205.01068); {metaseq}: projects/OPT/download_opt175b.md "
+    opt = Run("opt 175B", f"Zhang et al. 2022, 'OPT' (arXiv 2205.01068), section 2.4 ('utilization of up to 147 "
+              f"TFLOP/s per GPU'); {metaseq}: projects/OPT/download_opt175b.md "
               "('trained OPT-175B on 124 hosts', '8x tensor parallelism'), "
               "projects/OPT/chronicles/10_percent_update.md ('Batch-size of 2M'), metaseq/launcher/opt_baselines.py "
               "and opt_job_constants.py (row '175b')",
               Shape(96, 12288, 96, 4 * 12288, 50272, 2048, mlp="relu", tied=True, name="OPT-175B"),
               "A100-80GB", 992, 200,
               Layout(dp=124, tp=8, global_batch=992, micro_batch_size=8, recompute="full", zero_stage=2,
-                     sequence_parallel=False, distribute_saved_activations=True), None,
+                     sequence_parallel=False, distribute_saved_activations=True, prefetch=False), 147,
+              flops="narayanan2021",
               assumptions=("The layout as metaseq's launcher sets it (opt_baselines.py): --batch-size (2M tokens // "
                            "124 replicas) // 2048 = 8 sequences, --update-freq 1, so 992 a step; "
                            "--checkpoint-activations with --distribute-checkpointed-activations (the saved layer "
                            "inputs split over the 8 tensor-parallel ranks); FSDP with --no-reshard-after-forward "
                            "(ZeRO-2); no sequence parallelism (2022).",
                            "Inter-node network not described in the stored sources: 200 Gb/s per GPU assumed.",
-                           "No measured throughput in the stored sources (chronicles/final_update.md's ~33 days on "
-                           "1024 A100s for 4.30E+23 FLOPs is an estimate): none compared."))
+                           "147 TFLOP/s counts recomputation (Narayanan et al.'s formula): 'we need 33 days to fully "
+                           "train at this scale with 1024 80GB A100s' (chronicles/10_percent_update.md, 300B tokens) "
+                           "is 147 TFLOP/s per GPU in it, 111 without recomputation. 'Up to': the best it reached.",
+                           "FSDP is FairScale's (metaseq's fsdp_wrap), which gathers a unit's weights as its forward "
+                           "starts and waits for them (fully_sharded_data_parallel.py, forward -> "
+                           "_rebuild_full_params): no prefetch (prefetch=False), so the weights updated each step "
+                           "are gathered layer by layer, exposed."))
     deepseek = Run("deepseek-v3 671B", "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), "
                    "sections 3.2 (16-way pipeline, 64-way expert parallel over 8 nodes, ZeRO-1 data parallel) and "
                    "1 (180K H800 GPU hours per trillion tokens)",
