@@ -44,8 +44,9 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # recomputation, 89.5-108.8 GB, 88.7 at Meta's V = 8, do not fit, where Meta ran them without); torchtitan's
 # benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.35
 # and CP 1.37-1.57, FSDP alone on A100s 1.18-1.22);
-# OPT (1.43, 1.27 before its on-demand gathers); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations, 101
-# GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
+# OPT (1.43, 1.27 before its on-demand gathers); DeepSeek-V3 (1.30: its published split needs full recomputation in
+# the planner's MoE activations, 101 GB without; at none it would be the planner's best). Each with its reason
+# (format_layout_ranks).
 # torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
 # FSDP 128 (1.11: its best, no recomputation at local batch 2, no longer fits; TP 2 halves the logits), 46 of 72.
 LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.63, 0.70  # the shares reached: a regression below them fails
