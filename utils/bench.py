@@ -1,9 +1,11 @@
 """Timing: medians of repeated runs, interleaved, with their spread and a verdict that states an order or a ratio
-only when the runs separate; bandwidths (by convention and as measured at the sockets), the alpha-beta model.
+only when the runs separate, even once the time their ranks waited for a core is removed (Linux; elsewhere the
+runs' ranges alone); bandwidths (by convention and as measured at the sockets), the alpha-beta model.
 Tests never assert on timings, only on verdicts from made-up samples."""
 import collections
 import contextlib
 import math
+import os
 import re
 import statistics
 import time
@@ -33,26 +35,66 @@ def collective_seconds(fn, repeat=5, warmup=1):
     return interleaved_seconds({"fn": fn}, repeat, warmup)["fn"]
 
 
+def core_waits():
+    """{thread id: nanoseconds it has been runnable but waiting for a core} for every thread of this process, from
+    Linux's /proc/self/task/*/schedstat (its second field); None where there is none (macOS)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    waits = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                waits[tid] = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return waits or None
+
+
+def seconds_waited(before, after, seconds):
+    """Seconds the threads of this process waited for a core between two core_waits(), at most the `seconds` the run
+    took (two threads waiting at once delay it once); None where the OS does not say."""
+    if before is None or after is None:
+        return None
+    return min(sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9, seconds)
+
+
+class Samples(list):
+    """Seconds of each timed run, and `waited`: the seconds its ranks waited for a core in each run (None where the
+    OS does not say). spread() reads both."""
+
+    def __init__(self, seconds, waited=None):
+        super().__init__(seconds)
+        self.waited = waited
+
+
 def interleaved_samples(fns, repeat=5, warmup=1):
-    """{name: [seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup`
-    untimed turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up),
-    every rank makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a
-    step ends with its last rank); in a single process, its own."""
+    """{name: Samples (the seconds of each timed run)} for several calls, timed in turns (a, b, a, b, ...) after
+    `warmup` untimed turns, so that a change in the machine's load hits them all alike. On ranks (a process group is
+    up), every rank makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a
+    step ends with its last rank); in a single process, its own. With each run, the seconds its threads waited for a
+    core (core_waits; on ranks, the most any rank waited): what other processes on the machine cost it."""
     ranks = dist.is_initialized()
-    times = {name: [] for name in fns}
+    times, waits = {name: [] for name in fns}, {name: [] for name in fns}
     for run in range(warmup + repeat):
         for name, fn in fns.items():
             if ranks:
                 dist.barrier()
+            before = core_waits()
             start = time.perf_counter()
             fn()
+            seconds = time.perf_counter() - start
             if run >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
+                waits[name].append(seconds_waited(before, core_waits(), seconds))
+    known = all(w is not None for name in fns for w in waits[name])
     if ranks:
-        slowest = torch.tensor([times[name] for name in fns], dtype=torch.float64)
+        slowest = torch.tensor([[times[name], waits[name] if known else times[name]] for name in fns],
+                               dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = dict(zip(fns, slowest.tolist()))
-    return times
+        times, waits = ({name: runs[i] for name, runs in zip(fns, slowest.tolist())} for i in (0, 1))
+    return {name: Samples(times[name], waits[name] if known else None) for name in fns}
 
 
 def interleaved_seconds(fns, repeat=5, warmup=1):
@@ -77,7 +119,16 @@ def threads(n):
 # run of one variant is faster than every run of the other) and there are runs enough that this would rarely
 # happen by chance; otherwise it says that this machine cannot separate them. On shared cores that is often the
 # honest answer.
-Spread = collections.namedtuple("Spread", "median low high runs", defaults=(None,))  # seconds; runs: how many
+#
+# And only when waiting for a core cannot explain the order. With other processes running, a variant that needs
+# more CPU or more rounds of synchronisation also waits longer for a core, and the gap grows: an order that an idle
+# machine cannot see appears under load. So the order a < b is claimed only if it survives removing from every run
+# of b the seconds its ranks waited for a core (Linux's schedstat, read around each run): every run of a is faster
+# than every run of b less its wait (Spread.unwaited). Where the OS does not say (macOS), waits are None and the
+# rule is the ranges' alone. On an idle machine the waits are microseconds, and change nothing.
+Spread = collections.namedtuple("Spread", "median low high runs unwaited waited", defaults=(None, None, None))
+# seconds; runs: how many; unwaited: the least of (a run - what waiting for a core added to it); waited: the largest
+# share of a run its ranks waited for a core (0.38: 38%); both None where the OS does not say
 
 CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that their ranges separate all the same:
 # a notebook prints dozens of verdicts; at 1 in 20 each, a loaded run would contradict some stored one
@@ -93,8 +144,23 @@ CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that
 # runs_needed(k + 1) runs (the runs of a chain of k + 1).
 
 
-def spread(samples):
-    return Spread(statistics.median(samples), min(samples), max(samples), len(samples))
+def _spread(samples, removable, waited_shares):
+    unwaited = None if removable is None else min(s - w for s, w in zip(samples, removable))
+    waited = None if waited_shares is None else max(waited_shares)
+    return Spread(statistics.median(samples), min(samples), max(samples), len(samples), unwaited, waited)
+
+
+def spread(samples, waited=None):
+    """The median and range of the seconds of each run, with what the rule needs of the seconds its ranks waited
+    for a core in each (`waited`; by default the Samples' own, None where unknown)."""
+    waited = getattr(samples, "waited", None) if waited is None else waited
+    return _spread(samples, waited, None if waited is None else [w / s if s > 0 else 0 for s, w in zip(samples, waited)])
+
+
+def share_spread(shares, waited=None):
+    """The median and range of a share of each step (an idle share), with `waited`: the share of each step its ranks
+    waited for a core (a wait may have been counted in the share, so it is removed from it as seconds are)."""
+    return _spread(shares, waited, waited)
 
 
 def format_spread(s, unit="ms"):
@@ -124,49 +190,73 @@ def enough_runs(a, b, claims=1):
     return a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE / claims
 
 
+def unwaited(s):
+    """The least a run of Spread s took had its ranks not waited for a core (its fastest run where unknown)."""
+    return s.low if s.unwaited is None else s.unwaited
+
+
+def apart(faster, slower):
+    """True when every run of `faster` is faster than every run of `slower` less what its ranks waited for a core."""
+    return faster.high < unwaited(slower)
+
+
 def separated(a, b, claims=1):
-    """True when the ranges of two Spreads do not overlap, from runs enough to say so: for one claim of
-    `claims` (the k - 1 of a chain of k), each at CHANCE / claims."""
-    return enough_runs(a, b, claims) and (a.high < b.low or b.high < a.low)
+    """True when the ranges of two Spreads do not overlap, even with the waits for a core removed from the slower's
+    runs, from runs enough to say so: for one claim of `claims` (the k - 1 of a chain of k), each at CHANCE / claims."""
+    return enough_runs(a, b, claims) and (apart(a, b) or apart(b, a))
+
+
+def why_waited(slower):
+    share = slower.waited or 0
+    return (f"their ranks waited up to {f'{share:.0%}' if share >= 0.01 else 'under 1%'} of a run for a core, "
+            f"taken by other processes")
 
 
 def why_not_separated(a, b, claims=1):
-    if a.high < b.low or b.high < a.low:
-        family = f" in a family of {claims} claims" if claims > 1 else ""
-        return f"{min(a.runs, b.runs)} runs are too few to tell{family}"
-    return "their runs overlap"
+    if not (a.high < b.low or b.high < a.low):
+        return "their runs overlap"
+    if not (apart(a, b) or apart(b, a)):
+        return why_waited(b if a.high < b.low else a)
+    family = f" in a family of {claims} claims" if claims > 1 else ""
+    return f"{min(a.runs, b.runs)} runs are too few to tell{family}"
 
 
 def order_verdict(spreads, ends=("fastest", "slowest")):
     """The variants from fastest to slowest (or from `ends[0]` to `ends[1]` of another measure), `a < b` where
-    every run of the variants up to a is faster than every run of those from b on, from runs enough for the
-    chain's k - 1 claims held to CHANCE together, and `a ~ b` where this machine cannot separate them.
-    spreads: {name: Spread}."""
+    every run of the variants up to a is faster than every run of those from b on (less what their ranks waited for
+    a core), from runs enough for the chain's k - 1 claims held to CHANCE together, and `a ~ b` where this machine
+    cannot separate them. spreads: {name: Spread}."""
     names = sorted(spreads, key=lambda name: spreads[name].median)
     claims = len(names) - 1
     if claims == 1:
         a, b = (spreads[name] for name in names)
         if not separated(a, b):
             return f"this machine cannot separate {names[0]} and {names[1]}: {why_not_separated(a, b)}"
-    chain, too_few = names[0], set()
+    chain, too_few, waited = names[0], set(), []
     for i, (a, b) in enumerate(zip(names, names[1:])):
-        apart = max(spreads[n].high for n in names[:i + 1]) < min(spreads[n].low for n in names[i + 1:])
+        faster = max(spreads[n].high for n in names[:i + 1])
+        slower = [spreads[n] for n in names[i + 1:]]
+        ranges_apart = faster < min(s.low for s in slower)
+        waits_apart = faster < min(unwaited(s) for s in slower)
         enough = enough_runs(spreads[a], spreads[b], claims)
-        if apart and not enough:
+        if ranges_apart and not waits_apart:
+            waited.append(max(slower, key=lambda s: s.waited or 0))
+        elif waits_apart and not enough:
             too_few.add(min(spreads[a].runs, spreads[b].runs))
-        chain += f" {'<' if apart and enough else '~'} {b}"
+        chain += f" {'<' if waits_apart and enough else '~'} {b}"
     tail = ""
     if "~" in chain:
         few = f"; {min(too_few)} runs are too few to tell in a chain of {len(names)}" if too_few else ""
-        tail = f" (~: this machine cannot separate them{few})"
+        wait = f"; {why_waited(max(waited, key=lambda s: s.waited or 0))}" if waited else ""
+        tail = f" (~: this machine cannot separate them{wait}{few})"
     return f"{ends[0]} to {ends[1]}: {chain}{tail}"
 
 
 def ratio_verdict(a_name, a, b_name, b, claims=1):
-    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate from
-    runs enough for one of `claims` claims held to CHANCE together (a cell that prints k ratio lines about one
+    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate (with the
+    slower's waits for a core removed, as in order_verdict) from runs enough for one of `claims` claims held to CHANCE together (a cell that prints k ratio lines about one
     set of runs passes claims=k, and takes runs_needed(k + 1) runs); otherwise that this machine cannot separate
-    them (with the range, which then includes 1 or rests on too few runs)."""
+    them (with the range, which then includes 1, rests on too few runs, or on runs slowed by waiting for a core)."""
     low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
     if separated(a, b, claims):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"
