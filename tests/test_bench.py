@@ -258,3 +258,23 @@ def test_waits_are_read_around_each_run_and_survive_the_trip_from_the_ranks():
     assert bench.seconds_waited(None, {"1": 5}, 1.0) is None
     assert bench.seconds_waited({"1": 10**9}, {"1": 3 * 10**9, "2": 10**9}, 5.0) == 3.0  # a new thread: from 0
     assert bench.seconds_waited({"1": 0}, {"1": 9 * 10**9}, 2.0) == 2.0  # at most the run: threads wait at once
+
+
+def each_stage_alone(stage, batch, num_micro_batches):  # a schedule enough to be recorded: no hand-offs
+    stage(torch.ones(4, 8)).sum().backward()
+
+
+def pipeline_waits_main(rank, world_size):
+    from utils import pipeline as pp
+    return pp.record_timelines(rank, world_size, {"alone": each_stage_alone}, [2], hidden_dim=8, num_layers=2,
+                               batch_size=4, num_steps=1, warmup=0)
+
+
+def test_the_pipeline_recorder_reads_the_waits_around_each_step():
+    from utils import pipeline as pp
+    step = [records["alone", 2][0] for records in spawn(pipeline_waits_main, 2)]
+    if step[0].waited is None:  # not Linux
+        assert pp.waited_share(step) is None and pp.waited_seconds(step) is None
+        return
+    assert all(r.waited >= 0 for r in step) and 0 <= pp.waited_share(step) <= 1
+    assert pp.waited_seconds(step) == sum(r.waited for r in step)

@@ -145,8 +145,9 @@ CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that
 
 
 def _spread(samples, removable, waited_shares):
-    unwaited = None if removable is None else min(s - w for s, w in zip(samples, removable))
-    waited = None if waited_shares is None else max(waited_shares)
+    known = removable is not None and None not in removable  # a run without its wait: the ranges' rule alone
+    unwaited = min(s - w for s, w in zip(samples, removable)) if known else None
+    waited = max(waited_shares) if known else None
     return Spread(statistics.median(samples), min(samples), max(samples), len(samples), unwaited, waited)
 
 
@@ -154,7 +155,8 @@ def spread(samples, waited=None):
     """The median and range of the seconds of each run, with what the rule needs of the seconds its ranks waited
     for a core in each (`waited`; by default the Samples' own, None where unknown)."""
     waited = getattr(samples, "waited", None) if waited is None else waited
-    return _spread(samples, waited, None if waited is None else [w / s if s > 0 else 0 for s, w in zip(samples, waited)])
+    known = waited is not None and None not in waited
+    return _spread(samples, waited, [w / s if s > 0 else 0 for s, w in zip(samples, waited)] if known else None)
 
 
 def share_spread(shares, waited=None):
