@@ -278,3 +278,10 @@ def test_the_pipeline_recorder_reads_the_waits_around_each_step():
         return
     assert all(r.waited >= 0 for r in step) and 0 <= pp.waited_share(step) <= 1
     assert pp.waited_seconds(step) == sum(r.waited for r in step)
+
+
+def test_a_step_of_the_slowest_rank_keeps_what_waiting_added_to_it():
+    rank0, rank1 = bench.Samples([1.0, 3.0], [0.5, 0.0]), bench.Samples([2.0, 2.5], [1.5, 0.0])
+    step = bench.slowest_runs([rank0, rank1])
+    assert step == [2.0, 3.0] and step.waited == [1.5, 0.0]  # run 0: without waits, 0.5 on either rank
+    assert bench.slowest_runs([rank0, [2.0, 2.5]]).waited is None

@@ -97,6 +97,16 @@ def interleaved_samples(fns, repeat=5, warmup=1):
     return {name: Samples(times[name], waits[name] if known else None) for name in fns}
 
 
+def slowest_runs(samples):
+    """Each run's slowest of several Samples timed in the same turns (a step that ends with its slowest rank), and
+    what waiting for a core added to it: the slowest less the slowest of (a run - its wait)."""
+    seconds = [max(run) for run in zip(*samples)]
+    if any(getattr(s, "waited", None) is None for s in samples):
+        return Samples(seconds)
+    unwaited = [max(t - w for t, w in run) for run in zip(*(zip(s, s.waited) for s in samples))]
+    return Samples(seconds, [t - u for t, u in zip(seconds, unwaited)])
+
+
 def interleaved_seconds(fns, repeat=5, warmup=1):
     """{name: median seconds} of interleaved_samples."""
     return {name: statistics.median(s) for name, s in interleaved_samples(fns, repeat, warmup).items()}
