@@ -192,7 +192,7 @@ def test_ping_pong_gives_the_median_of_its_samples():
 
 
 def waited(seconds, waits):
-    return bench.spread(bench.Samples(seconds, waits))
+    return bench.spread([bench.Seconds(t, w) for t, w in zip(seconds, waits or [None] * len(seconds))])
 
 
 FAST, SLOW = [1.0, 1.1, 1.2, 1.1, 1.15], [2.0, 2.1, 2.3, 2.2, 2.1]
@@ -254,11 +254,19 @@ def test_idle_shares_lose_the_share_of_the_step_their_ranks_waited():
 
 def test_waits_are_read_around_each_run_and_survive_the_trip_from_the_ranks():
     samples = bench.interleaved_samples({"a": lambda: None}, repeat=3, warmup=0)["a"]
-    assert samples.waited is None or (len(samples.waited) == 3 and all(0 <= w <= s for w, s in zip(samples.waited, samples)))
-    assert pickle.loads(pickle.dumps(samples)).waited == samples.waited
+    waits = [run.waited for run in samples]
+    assert waits == [None] * 3 or all(0 <= w <= s for w, s in zip(waits, samples))
+    assert [run.waited for run in pickle.loads(pickle.dumps(samples))] == waits
+    assert [run.waited for run in (samples + samples)[1:]] == (waits + waits)[1:]  # lists keep them
     assert bench.seconds_waited(None, {"1": 5}, 1.0) is None
     assert bench.seconds_waited({"1": 10**9}, {"1": 3 * 10**9, "2": 10**9}, 5.0) == 3.0  # a new thread: from 0
     assert bench.seconds_waited({"1": 0}, {"1": 9 * 10**9}, 2.0) == 2.0  # at most the run: threads wait at once
+
+
+def test_a_loop_that_times_its_own_steps_gets_their_waits_too():
+    elapsed = bench.stopwatch()
+    run = elapsed()
+    assert run >= 0 and (run.waited is None or 0 <= run.waited <= run)
 
 
 def each_stage_alone(stage, batch, num_micro_batches):  # a schedule enough to be recorded: no hand-offs
@@ -280,7 +288,8 @@ def test_the_pipeline_recorder_reads_the_waits_around_each_step():
 
 
 def test_a_step_of_the_slowest_rank_keeps_what_waiting_added_to_it():
-    rank0, rank1 = bench.Samples([1.0, 3.0], [0.5, 0.0]), bench.Samples([2.0, 2.5], [1.5, 0.0])
-    step = bench.slowest_runs([rank0, rank1])
-    assert step == [2.0, 3.0] and step.waited == [1.5, 0.0]  # run 0: without waits, 0.5 on either rank
-    assert bench.slowest_runs([rank0, [2.0, 2.5]]).waited is None
+    step = bench.slowest([bench.Seconds(1.0, 0.5), bench.Seconds(2.0, 1.5)])  # without waits, 0.5 on either rank
+    assert step == 2.0 and step.waited == 1.5
+    step = bench.slowest([bench.Seconds(3.0, 0.0), bench.Seconds(2.5, 0.0)])
+    assert step == 3.0 and step.waited == 0.0
+    assert bench.slowest([bench.Seconds(1.0, 0.5), 2.0]).waited is None

@@ -60,51 +60,58 @@ def seconds_waited(before, after, seconds):
     return min(sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9, seconds)
 
 
-class Samples(list):
-    """Seconds of each timed run, and `waited`: the seconds its ranks waited for a core in each run (None where the
-    OS does not say). spread() reads both."""
+class Seconds(float):
+    """A run's seconds, and `waited`: the seconds its ranks were ready to run but waited for a core meanwhile (None
+    where the OS does not say). A list of them keeps the waits through +, slices and max; arithmetic drops them."""
 
-    def __init__(self, seconds, waited=None):
-        super().__init__(seconds)
-        self.waited = waited
+    def __new__(cls, seconds, waited=None):
+        run = super().__new__(cls, seconds)
+        run.waited = waited
+        return run
+
+
+def stopwatch():
+    """Start timing: returns a function that gives the Seconds since, with what this process's threads waited for a
+    core meanwhile (for loops that time their own steps)."""
+    before, start = core_waits(), time.perf_counter()
+
+    def elapsed():
+        seconds = time.perf_counter() - start
+        return Seconds(seconds, seconds_waited(before, core_waits(), seconds))
+    return elapsed
 
 
 def interleaved_samples(fns, repeat=5, warmup=1):
-    """{name: Samples (the seconds of each timed run)} for several calls, timed in turns (a, b, a, b, ...) after
-    `warmup` untimed turns, so that a change in the machine's load hits them all alike. On ranks (a process group is
-    up), every rank makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a
-    step ends with its last rank); in a single process, its own. With each run, the seconds its threads waited for a
-    core (core_waits; on ranks, the most any rank waited): what other processes on the machine cost it."""
+    """{name: [Seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup` untimed
+    turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up), every rank
+    makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a step ends with its
+    last rank); in a single process, its own. With each run, the seconds its threads waited for a core (core_waits;
+    on ranks, the most any rank waited): what other processes on the machine cost it."""
     ranks = dist.is_initialized()
-    times, waits = {name: [] for name in fns}, {name: [] for name in fns}
+    times = {name: [] for name in fns}
     for run in range(warmup + repeat):
         for name, fn in fns.items():
             if ranks:
                 dist.barrier()
-            before = core_waits()
-            start = time.perf_counter()
+            elapsed = stopwatch()
             fn()
-            seconds = time.perf_counter() - start
+            seconds = elapsed()
             if run >= warmup:
                 times[name].append(seconds)
-                waits[name].append(seconds_waited(before, core_waits(), seconds))
-    known = all(w is not None for name in fns for w in waits[name])
-    if ranks:
-        slowest = torch.tensor([[times[name], waits[name] if known else times[name]] for name in fns],
+    if ranks:  # the slowest rank's seconds and the most any rank waited (-1: the OS does not say)
+        slowest = torch.tensor([[[t, -1.0 if t.waited is None else t.waited] for t in times[name]] for name in fns],
                                dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times, waits = ({name: runs[i] for name, runs in zip(fns, slowest.tolist())} for i in (0, 1))
-    return {name: Samples(times[name], waits[name] if known else None) for name in fns}
+        times = {name: [Seconds(t, None if w < 0 else w) for t, w in runs] for name, runs in zip(fns, slowest.tolist())}
+    return times
 
 
-def slowest_runs(samples):
-    """Each run's slowest of several Samples timed in the same turns (a step that ends with its slowest rank), and
-    what waiting for a core added to it: the slowest less the slowest of (a run - its wait)."""
-    seconds = [max(run) for run in zip(*samples)]
-    if any(getattr(s, "waited", None) is None for s in samples):
-        return Samples(seconds)
-    unwaited = [max(t - w for t, w in run) for run in zip(*(zip(s, s.waited) for s in samples))]
-    return Samples(seconds, [t - u for t, u in zip(seconds, unwaited)])
+def slowest(runs):
+    """The slowest of one step's Seconds on several ranks (a step ends with its last rank), and what waiting for a
+    core added to it: the slowest less the slowest of (a run - its wait)."""
+    if any(getattr(run, "waited", None) is None for run in runs):
+        return Seconds(max(runs))
+    return Seconds(max(runs), max(runs) - max(run - run.waited for run in runs))
 
 
 def interleaved_seconds(fns, repeat=5, warmup=1):
@@ -163,8 +170,8 @@ def _spread(samples, removable, waited_shares):
 
 def spread(samples, waited=None):
     """The median and range of the seconds of each run, with what the rule needs of the seconds its ranks waited
-    for a core in each (`waited`; by default the Samples' own, None where unknown)."""
-    waited = getattr(samples, "waited", None) if waited is None else waited
+    for a core in each (`waited`; by default the runs' own, Seconds.waited, None where unknown)."""
+    waited = [getattr(run, "waited", None) for run in samples] if waited is None else waited
     known = waited is not None and None not in waited
     return _spread(samples, waited, [w / s if s > 0 else 0 for s, w in zip(samples, waited)] if known else None)
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils.bench import core_waits, seconds_waited
+from utils.bench import stopwatch
 from utils.intercept import intercept
 from utils.memory import Saved, unpack
 from utils.model import Layer, detached_parameters, layer_weight, make_batch, make_optimizer, step_batches, train
@@ -413,10 +413,10 @@ def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_
             stage, opt, split = stages[name]
             for m in micro_batch_counts:
                 dist.barrier()
-                before, start = core_waits(), time.perf_counter()
+                elapsed = stopwatch()
                 with record_step(stage, split=split) as record:
                     schedule(stage, batch, m)
-                record.waited = seconds_waited(before, core_waits(), time.perf_counter() - start)
+                record.waited = elapsed().waited
                 opt.step()
                 opt.zero_grad()
                 if step >= warmup:
