@@ -53,8 +53,9 @@ def core_waits():
 
 
 def seconds_waited(before, after, seconds):
-    """Seconds the threads of this process waited for a core between two core_waits(), at most the `seconds` the run
-    took (two threads waiting at once delay it once); None where the OS does not say."""
+    """Seconds the threads of this process waited for a core between two core_waits(), summed over the threads (an
+    upper bound: two threads waiting at once delay the run once) and at most the `seconds` the run took; None where
+    the OS does not say."""
     if before is None or after is None:
         return None
     return min(sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9, seconds)
@@ -172,7 +173,7 @@ def spread(samples, waited=None):
     """The median and range of the seconds of each run, with what the rule needs of the seconds its ranks waited
     for a core in each (`waited`; by default the runs' own, Seconds.waited, None where unknown)."""
     waited = [getattr(run, "waited", None) for run in samples] if waited is None else waited
-    known = waited is not None and None not in waited
+    known = None not in waited
     return _spread(samples, waited, [w / s if s > 0 else 0 for s, w in zip(samples, waited)] if known else None)
 
 
@@ -209,14 +210,14 @@ def enough_runs(a, b, claims=1):
     return a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE / claims
 
 
-def unwaited(s):
+def low_unwaited(s):
     """The least a run of Spread s took had its ranks not waited for a core (its fastest run where unknown)."""
     return s.low if s.unwaited is None else s.unwaited
 
 
 def apart(faster, slower):
     """True when every run of `faster` is faster than every run of `slower` less what its ranks waited for a core."""
-    return faster.high < unwaited(slower)
+    return faster.high < low_unwaited(slower)
 
 
 def separated(a, b, claims=1):
@@ -256,7 +257,7 @@ def order_verdict(spreads, ends=("fastest", "slowest")):
         faster = max(spreads[n].high for n in names[:i + 1])
         slower = [spreads[n] for n in names[i + 1:]]
         ranges_apart = faster < min(s.low for s in slower)
-        waits_apart = faster < min(unwaited(s) for s in slower)
+        waits_apart = faster < min(low_unwaited(s) for s in slower)
         enough = enough_runs(spreads[a], spreads[b], claims)
         if ranges_apart and not waits_apart:
             waited.append(max(slower, key=lambda s: s.waited or 0))
@@ -273,9 +274,10 @@ def order_verdict(spreads, ends=("fastest", "slowest")):
 
 def ratio_verdict(a_name, a, b_name, b, claims=1):
     """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate (with the
-    slower's waits for a core removed, as in order_verdict) from runs enough for one of `claims` claims held to CHANCE together (a cell that prints k ratio lines about one
-    set of runs passes claims=k, and takes runs_needed(k + 1) runs); otherwise that this machine cannot separate
-    them (with the range, which then includes 1, rests on too few runs, or on runs slowed by waiting for a core)."""
+    slower's waits for a core removed, as in order_verdict) from runs enough for one of `claims` claims held to
+    CHANCE together (a cell that prints k ratio lines about one set of runs passes claims=k, and takes
+    runs_needed(k + 1) runs); otherwise that this machine cannot separate them (with the range, which then includes
+    1, rests on too few runs, or on runs slowed by waiting for a core)."""
     low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
     if separated(a, b, claims):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"

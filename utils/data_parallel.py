@@ -395,5 +395,6 @@ def bytes_per_step(rank, world_size, versions, sizes, bucket_size_mb):
 
 def seconds_per_step(rank, world_size, versions, sizes, bucket_size_mb, repeat=5, warmup=1):
     """{name: [seconds of each timed step, from the slowest rank]} (bench.Seconds, with their waits for a core): the
-    versions timed in turns, `repeat` rounds after `warmup` untimed ones, so that the spread shows next to the median."""
+    versions timed in turns, `repeat` rounds after `warmup` untimed ones, so that the spread shows next to the
+    median."""
     return interleaved_samples(make_train_steps(rank, world_size, versions, sizes, bucket_size_mb), repeat, warmup)
