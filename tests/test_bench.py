@@ -1,7 +1,9 @@
 """The timing discipline's verdicts, on made-up samples: an order or a ratio only when the runs separate."""
+import pickle
 import time
 
 import torch
+import torch.distributed as dist
 
 from utils import bench
 from utils.launch import spawn
@@ -187,3 +189,109 @@ def test_ping_pong_gives_the_median_of_its_samples():
     medians, samples = spawn(ping_pong_main_and_samples, 2)[0]
     assert len(medians) == 2 and all(m > 0 for m in medians)
     assert len(samples) == 1 and len(samples[0]) == 3
+
+
+def waited(seconds, waits):
+    return bench.spread([bench.Seconds(t, w) for t, w in zip(seconds, waits or [None] * len(seconds))])
+
+
+FAST, SLOW = [1.0, 1.1, 1.2, 1.1, 1.15], [2.0, 2.1, 2.3, 2.2, 2.1]
+
+
+def test_an_order_that_survives_removing_the_waits_for_a_core_is_claimed():
+    fast, slow = waited(FAST, [0.01] * 5), waited(SLOW, [0.3, 0.2, 0.5, 0.1, 0.4])
+    assert round(slow.unwaited, 9) == 1.7 and slow.waited == 0.5 / 2.3
+    assert bench.order_verdict({"slow": slow, "fast": fast}) == "fastest to slowest: fast < slow"
+    assert bench.ratio_verdict("slow", slow, "fast", fast) == "slow / fast = 1.91 (runs allow 1.67 to 2.30)"
+
+
+def test_an_order_that_waiting_for_a_core_can_explain_cannot_be_separated():
+    # one run of the slower waited 1.1 s of its 2.2: without it, it could have been faster than a run of the faster
+    fast, slow = waited(FAST, [0.0] * 5), waited(SLOW, [0.1, 0.1, 0.1, 1.1, 0.1])
+    reason = "their ranks waited up to 50% of a run for a core, taken by other processes"
+    assert bench.order_verdict({"fast": fast, "slow": slow}) == f"this machine cannot separate fast and slow: {reason}"
+    assert bench.ratio_verdict("slow", slow, "fast", fast) == \
+        f"this machine cannot separate slow and fast: {reason} (ratio 1.67 to 2.30)"
+    assert bench.ratio_verdict("fast", fast, "slow", slow).startswith(
+        f"this machine cannot separate fast and slow: {reason}")
+    assert not bench.separated(fast, slow)
+    # only the slower side's waits count: the faster's runs are what they are
+    assert bench.separated(waited(FAST, [0.9] * 5), waited(SLOW, [0.1] * 5))
+
+
+def test_without_waits_macos_the_verdicts_are_the_ranges_alone():
+    plain = {"fast": bench.spread(FAST), "slow": bench.spread(SLOW)}
+    unknown = {"fast": waited(FAST, None), "slow": waited(SLOW, None)}
+    assert unknown["slow"].unwaited is None and unknown["slow"].waited is None
+    assert bench.order_verdict(unknown) == bench.order_verdict(plain) == "fastest to slowest: fast < slow"
+    assert bench.ratio_verdict("slow", unknown["slow"], "fast", unknown["fast"]) == \
+        bench.ratio_verdict("slow", plain["slow"], "fast", plain["fast"])
+
+
+def test_a_chain_marks_the_pairs_that_waiting_for_a_core_can_explain():
+    runs = lambda base: [base + 0.01 * i for i in range(7)]
+    spreads = {"a": waited(runs(1), [0] * 7), "b": waited(runs(2), [0.5] * 7), "c": waited(runs(3), [1.5] + [0.1] * 6)}
+    verdict = bench.order_verdict(spreads)
+    assert verdict == ("fastest to slowest: a < b ~ c (~: this machine cannot separate them; their ranks waited up to "
+                       "50% of a run for a core, taken by other processes)")
+    assert bench.verdict_relations(verdict) == {("a", "b"), ("a", "c")}
+    assert bench.verdicts_agree("fastest to slowest: a < b < c", verdict)
+    from test_timing_verdicts import VERDICT
+    assert VERDICT.search(verdict)
+    # a's runs reaching c's less its waits keep a ~ b too: a `<` claims a faster than every variant after it
+    spreads["c"] = waited(runs(3), [2.0] + [0.1] * 6)
+    assert bench.order_verdict(spreads).startswith("fastest to slowest: a ~ b ~ c (~: this machine cannot separate "
+                                                   "them; their ranks waited up to 67% of a run")
+
+
+def test_idle_shares_lose_the_share_of_the_step_their_ranks_waited():
+    less, more = [0.10, 0.12, 0.11, 0.11, 0.10], [0.30, 0.35, 0.31, 0.32, 0.33]
+    small = {"1F1B": bench.share_spread(less, [0.01] * 5), "GPipe": bench.share_spread(more, [0.05] * 5)}
+    assert bench.order_verdict(small, ("least idle", "most idle")) == "least idle to most idle: 1F1B < GPipe"
+    large = dict(small, GPipe=bench.share_spread(more, [0.05, 0.25, 0.05, 0.05, 0.05]))  # 0.32 - 0.25 < 0.12
+    assert bench.order_verdict(large, ("least idle", "most idle")) == ("this machine cannot separate 1F1B and GPipe: "
+                                                                       "their ranks waited up to 25% of a run for a "
+                                                                       "core, taken by other processes")
+
+
+def test_waits_are_read_around_each_run_and_survive_the_trip_from_the_ranks():
+    samples = bench.interleaved_samples({"a": lambda: None}, repeat=3, warmup=0)["a"]
+    waits = [run.waited for run in samples]
+    assert waits == [None] * 3 or all(0 <= w <= s for w, s in zip(waits, samples))
+    assert [run.waited for run in pickle.loads(pickle.dumps(samples))] == waits
+    assert [run.waited for run in (samples + samples)[1:]] == (waits + waits)[1:]  # lists keep them
+    assert bench.seconds_waited(None, {"1": 5}, 1.0) is None
+    assert bench.seconds_waited({"1": 10**9}, {"1": 3 * 10**9, "2": 10**9}, 5.0) == 3.0  # a new thread: from 0
+    assert bench.seconds_waited({"1": 0}, {"1": 9 * 10**9}, 2.0) == 2.0  # at most the run: threads wait at once
+
+
+def test_a_loop_that_times_its_own_steps_gets_their_waits_too():
+    elapsed = bench.stopwatch()
+    run = elapsed()
+    assert run >= 0 and (run.waited is None or 0 <= run.waited <= run)
+
+
+def each_stage_alone(stage, batch, num_micro_batches):  # a schedule enough to be recorded: no hand-offs
+    stage(torch.ones(4, 8)).sum().backward()
+
+
+def test_the_pipeline_recorder_reads_the_waits_around_each_step():
+    from utils import pipeline as pp
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one stage, in this process
+    try:
+        step = pp.record_timelines(0, 1, {"alone": each_stage_alone}, [2], hidden_dim=8, num_layers=2, batch_size=4,
+                                   num_steps=1, warmup=0)["alone", 2][0:1]
+    finally:
+        dist.destroy_process_group()
+    if step[0].waited is None:  # not Linux
+        assert pp.waited_share(step) is None and pp.waited_seconds(step) is None
+        return
+    assert step[0].waited >= 0 and 0 <= pp.waited_share(step) <= 1 and pp.waited_seconds(step) == step[0].waited
+
+
+def test_a_step_of_the_slowest_rank_keeps_what_waiting_added_to_it():
+    step = bench.slowest([bench.Seconds(1.0, 0.5), bench.Seconds(2.0, 1.5)])  # without waits, 0.5 on either rank
+    assert step == 2.0 and step.waited == 1.5
+    step = bench.slowest([bench.Seconds(3.0, 0.0), bench.Seconds(2.5, 0.0)])
+    assert step == 3.0 and step.waited == 0.0
+    assert bench.slowest([bench.Seconds(1.0, 0.5), 2.0]).waited is None

@@ -1,9 +1,11 @@
 """Timing: medians of repeated runs, interleaved, with their spread and a verdict that states an order or a ratio
-only when the runs separate; bandwidths (by convention and as measured at the sockets), the alpha-beta model.
+only when the runs separate, even once the time their ranks waited for a core is removed (Linux; elsewhere the
+runs' ranges alone); bandwidths (by convention and as measured at the sockets), the alpha-beta model.
 Tests never assert on timings, only on verdicts from made-up samples."""
 import collections
 import contextlib
 import math
+import os
 import re
 import statistics
 import time
@@ -33,26 +35,84 @@ def collective_seconds(fn, repeat=5, warmup=1):
     return interleaved_seconds({"fn": fn}, repeat, warmup)["fn"]
 
 
+def core_waits():
+    """{thread id: nanoseconds it has been runnable but waiting for a core} for every thread of this process, from
+    Linux's /proc/self/task/*/schedstat (its second field); None where there is none (macOS)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    waits = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                waits[tid] = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return waits or None
+
+
+def seconds_waited(before, after, seconds):
+    """Seconds the threads of this process waited for a core between two core_waits(), summed over the threads (an
+    upper bound: two threads waiting at once delay the run once) and at most the `seconds` the run took; None where
+    the OS does not say."""
+    if before is None or after is None:
+        return None
+    return min(sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9, seconds)
+
+
+class Seconds(float):
+    """A run's seconds, and `waited`: the seconds its ranks were ready to run but waited for a core meanwhile (None
+    where the OS does not say). A list of them keeps the waits through +, slices and max; arithmetic drops them."""
+
+    def __new__(cls, seconds, waited=None):
+        run = super().__new__(cls, seconds)
+        run.waited = waited
+        return run
+
+
+def stopwatch():
+    """Start timing: returns a function that gives the Seconds since, with what this process's threads waited for a
+    core meanwhile (for loops that time their own steps)."""
+    before, start = core_waits(), time.perf_counter()
+
+    def elapsed():
+        seconds = time.perf_counter() - start
+        return Seconds(seconds, seconds_waited(before, core_waits(), seconds))
+    return elapsed
+
+
 def interleaved_samples(fns, repeat=5, warmup=1):
-    """{name: [seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup`
-    untimed turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up),
-    every rank makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a
-    step ends with its last rank); in a single process, its own."""
+    """{name: [Seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup` untimed
+    turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up), every rank
+    makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a step ends with its
+    last rank); in a single process, its own. With each run, the seconds its threads waited for a core (core_waits;
+    on ranks, the most any rank waited): what other processes on the machine cost it."""
     ranks = dist.is_initialized()
     times = {name: [] for name in fns}
     for run in range(warmup + repeat):
         for name, fn in fns.items():
             if ranks:
                 dist.barrier()
-            start = time.perf_counter()
+            elapsed = stopwatch()
             fn()
+            seconds = elapsed()
             if run >= warmup:
-                times[name].append(time.perf_counter() - start)
-    if ranks:
-        slowest = torch.tensor([times[name] for name in fns], dtype=torch.float64)
+                times[name].append(seconds)
+    if ranks:  # the slowest rank's seconds and the most any rank waited (-1: the OS does not say)
+        slowest = torch.tensor([[[t, -1.0 if t.waited is None else t.waited] for t in times[name]] for name in fns],
+                               dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = dict(zip(fns, slowest.tolist()))
+        times = {name: [Seconds(t, None if w < 0 else w) for t, w in runs] for name, runs in zip(fns, slowest.tolist())}
     return times
+
+
+def slowest(runs):
+    """The slowest of one step's Seconds on several ranks (a step ends with its last rank), and what waiting for a
+    core added to it: the slowest less the slowest of (a run - its wait)."""
+    if any(getattr(run, "waited", None) is None for run in runs):
+        return Seconds(max(runs))
+    return Seconds(max(runs), max(runs) - max(run - run.waited for run in runs))
 
 
 def interleaved_seconds(fns, repeat=5, warmup=1):
@@ -77,7 +137,16 @@ def threads(n):
 # run of one variant is faster than every run of the other) and there are runs enough that this would rarely
 # happen by chance; otherwise it says that this machine cannot separate them. On shared cores that is often the
 # honest answer.
-Spread = collections.namedtuple("Spread", "median low high runs", defaults=(None,))  # seconds; runs: how many
+#
+# And only when waiting for a core cannot explain the order. With other processes running, a variant that needs
+# more CPU or more rounds of synchronisation also waits longer for a core, and the gap grows: an order that an idle
+# machine cannot see appears under load. So the order a < b is claimed only if it survives removing from every run
+# of b the seconds its ranks waited for a core (Linux's schedstat, read around each run): every run of a is faster
+# than every run of b less its wait (Spread.unwaited). Where the OS does not say (macOS), waits are None and the
+# rule is the ranges' alone. On an idle machine the waits are microseconds, and change nothing.
+Spread = collections.namedtuple("Spread", "median low high runs unwaited waited", defaults=(None, None, None))
+# seconds; runs: how many; unwaited: the least of (a run - what waiting for a core added to it); waited: the largest
+# share of a run its ranks waited for a core (0.38: 38%); both None where the OS does not say
 
 CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that their ranges separate all the same:
 # a notebook prints dozens of verdicts; at 1 in 20 each, a loaded run would contradict some stored one
@@ -93,8 +162,25 @@ CHANCE = 0.01  # the largest chance, for two variants whose runs are alike, that
 # runs_needed(k + 1) runs (the runs of a chain of k + 1).
 
 
-def spread(samples):
-    return Spread(statistics.median(samples), min(samples), max(samples), len(samples))
+def _spread(samples, removable, waited_shares):
+    known = removable is not None and None not in removable  # a run without its wait: the ranges' rule alone
+    unwaited = min(s - w for s, w in zip(samples, removable)) if known else None
+    waited = max(waited_shares) if known else None
+    return Spread(statistics.median(samples), min(samples), max(samples), len(samples), unwaited, waited)
+
+
+def spread(samples, waited=None):
+    """The median and range of the seconds of each run, with what the rule needs of the seconds its ranks waited
+    for a core in each (`waited`; by default the runs' own, Seconds.waited, None where unknown)."""
+    waited = [getattr(run, "waited", None) for run in samples] if waited is None else waited
+    known = None not in waited
+    return _spread(samples, waited, [w / s if s > 0 else 0 for s, w in zip(samples, waited)] if known else None)
+
+
+def share_spread(shares, waited=None):
+    """The median and range of a share of each step (an idle share), with `waited`: the share of each step its ranks
+    waited for a core (a wait may have been counted in the share, so it is removed from it as seconds are)."""
+    return _spread(shares, waited, waited)
 
 
 def format_spread(s, unit="ms"):
@@ -124,49 +210,74 @@ def enough_runs(a, b, claims=1):
     return a.runs is None or b.runs is None or chance_of_separating(a.runs, b.runs) <= CHANCE / claims
 
 
+def low_unwaited(s):
+    """The least a run of Spread s took had its ranks not waited for a core (its fastest run where unknown)."""
+    return s.low if s.unwaited is None else s.unwaited
+
+
+def apart(faster, slower):
+    """True when every run of `faster` is faster than every run of `slower` less what its ranks waited for a core."""
+    return faster.high < low_unwaited(slower)
+
+
 def separated(a, b, claims=1):
-    """True when the ranges of two Spreads do not overlap, from runs enough to say so: for one claim of
-    `claims` (the k - 1 of a chain of k), each at CHANCE / claims."""
-    return enough_runs(a, b, claims) and (a.high < b.low or b.high < a.low)
+    """True when the ranges of two Spreads do not overlap, even with the waits for a core removed from the slower's
+    runs, from runs enough to say so: for one claim of `claims` (the k - 1 of a chain of k), each at CHANCE / claims."""
+    return enough_runs(a, b, claims) and (apart(a, b) or apart(b, a))
+
+
+def why_waited(slower):
+    share = slower.waited or 0
+    return (f"their ranks waited up to {f'{share:.0%}' if share >= 0.01 else 'under 1%'} of a run for a core, "
+            f"taken by other processes")
 
 
 def why_not_separated(a, b, claims=1):
-    if a.high < b.low or b.high < a.low:
-        family = f" in a family of {claims} claims" if claims > 1 else ""
-        return f"{min(a.runs, b.runs)} runs are too few to tell{family}"
-    return "their runs overlap"
+    if not (a.high < b.low or b.high < a.low):
+        return "their runs overlap"
+    if not (apart(a, b) or apart(b, a)):
+        return why_waited(b if a.high < b.low else a)
+    family = f" in a family of {claims} claims" if claims > 1 else ""
+    return f"{min(a.runs, b.runs)} runs are too few to tell{family}"
 
 
 def order_verdict(spreads, ends=("fastest", "slowest")):
     """The variants from fastest to slowest (or from `ends[0]` to `ends[1]` of another measure), `a < b` where
-    every run of the variants up to a is faster than every run of those from b on, from runs enough for the
-    chain's k - 1 claims held to CHANCE together, and `a ~ b` where this machine cannot separate them.
-    spreads: {name: Spread}."""
+    every run of the variants up to a is faster than every run of those from b on (less what their ranks waited for
+    a core), from runs enough for the chain's k - 1 claims held to CHANCE together, and `a ~ b` where this machine
+    cannot separate them. spreads: {name: Spread}."""
     names = sorted(spreads, key=lambda name: spreads[name].median)
     claims = len(names) - 1
     if claims == 1:
         a, b = (spreads[name] for name in names)
         if not separated(a, b):
             return f"this machine cannot separate {names[0]} and {names[1]}: {why_not_separated(a, b)}"
-    chain, too_few = names[0], set()
+    chain, too_few, waited = names[0], set(), []
     for i, (a, b) in enumerate(zip(names, names[1:])):
-        apart = max(spreads[n].high for n in names[:i + 1]) < min(spreads[n].low for n in names[i + 1:])
+        faster = max(spreads[n].high for n in names[:i + 1])
+        slower = [spreads[n] for n in names[i + 1:]]
+        ranges_apart = faster < min(s.low for s in slower)
+        waits_apart = faster < min(low_unwaited(s) for s in slower)
         enough = enough_runs(spreads[a], spreads[b], claims)
-        if apart and not enough:
+        if ranges_apart and not waits_apart:
+            waited.append(max(slower, key=lambda s: s.waited or 0))
+        elif waits_apart and not enough:
             too_few.add(min(spreads[a].runs, spreads[b].runs))
-        chain += f" {'<' if apart and enough else '~'} {b}"
+        chain += f" {'<' if waits_apart and enough else '~'} {b}"
     tail = ""
     if "~" in chain:
         few = f"; {min(too_few)} runs are too few to tell in a chain of {len(names)}" if too_few else ""
-        tail = f" (~: this machine cannot separate them{few})"
+        wait = f"; {why_waited(max(waited, key=lambda s: s.waited or 0))}" if waited else ""
+        tail = f" (~: this machine cannot separate them{wait}{few})"
     return f"{ends[0]} to {ends[1]}: {chain}{tail}"
 
 
 def ratio_verdict(a_name, a, b_name, b, claims=1):
-    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate from
-    runs enough for one of `claims` claims held to CHANCE together (a cell that prints k ratio lines about one
-    set of runs passes claims=k, and takes runs_needed(k + 1) runs); otherwise that this machine cannot separate
-    them (with the range, which then includes 1 or rests on too few runs)."""
+    """`a / b` as the ratio of the medians, with the range that the runs allow, when their ranges separate (with the
+    slower's waits for a core removed, as in order_verdict) from runs enough for one of `claims` claims held to
+    CHANCE together (a cell that prints k ratio lines about one set of runs passes claims=k, and takes
+    runs_needed(k + 1) runs); otherwise that this machine cannot separate them (with the range, which then includes
+    1, rests on too few runs, or on runs slowed by waiting for a core)."""
     low, high = a.low / b.high, (a.high / b.low if b.low > 0 else float("inf"))
     if separated(a, b, claims):
         return f"{a_name} / {b_name} = {a.median / b.median:.2f} (runs allow {low:.2f} to {high:.2f})"

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from utils.bench import interleaved_seconds
+from utils.bench import interleaved_samples
 from utils.counting import bytes_written, calls
 from utils.intercept import intercept
 from utils.model import (
@@ -394,9 +394,7 @@ def bytes_per_step(rank, world_size, versions, sizes, bucket_size_mb):
 
 
 def seconds_per_step(rank, world_size, versions, sizes, bucket_size_mb, repeat=5, warmup=1):
-    """{name: [seconds of each timed step, from the slowest rank]}: the versions timed in turns, `repeat`
-    rounds after `warmup` untimed ones, so that the spread shows next to the median."""
-    steps = make_train_steps(rank, world_size, versions, sizes, bucket_size_mb)
-    interleaved_seconds(steps, repeat=warmup, warmup=0)
-    rounds = [interleaved_seconds(steps, repeat=1, warmup=0) for _ in range(repeat)]
-    return {name: [seconds[name] for seconds in rounds] for name in steps}
+    """{name: [seconds of each timed step, from the slowest rank]} (bench.Seconds, with their waits for a core): the
+    versions timed in turns, `repeat` rounds after `warmup` untimed ones, so that the spread shows next to the
+    median."""
+    return interleaved_samples(make_train_steps(rank, world_size, versions, sizes, bucket_size_mb), repeat, warmup)

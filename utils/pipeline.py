@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from utils.bench import stopwatch
 from utils.intercept import intercept
 from utils.memory import Saved, unpack
 from utils.model import Layer, detached_parameters, layer_weight, make_batch, make_optimizer, step_batches, train
@@ -130,6 +131,7 @@ class StepRecord:
     events: list = dataclasses.field(default_factory=list)  # Event, in the order they ended
     calls: list = dataclasses.field(default_factory=list)  # utils.intercept.Call, times on the same clock
     peak_alive: int = 0  # micro-batches whose saved activations were alive at once
+    waited: float = None  # seconds this rank's threads waited for a core in the step (record_timelines; utils.bench)
 
 
 class _Recorder:
@@ -278,6 +280,22 @@ def idle_fraction(events_by_stage):
     return 1 - busy / (len(events_by_stage) * span)
 
 
+def waited_share(records):
+    """The largest share of one step's span (its StepRecord on every stage) that a stage's threads waited for a core,
+    which its idle share may have counted: what utils.bench removes before it claims an order of idle shares
+    (bench.share_spread). None where the OS does not say."""
+    if any(r.waited is None for r in records):
+        return None
+    events = [e for r in records for e in r.events]
+    return min(max(r.waited for r in records) / (max(e.end for e in events) - min(e.start for e in events)), 1.0)
+
+
+def waited_seconds(records):
+    """Seconds the stages' threads waited for a core in one step, summed over the stages (what it may have added to
+    their computing, summed); None where the OS does not say."""
+    return None if any(r.waited is None for r in records) else sum(r.waited for r in records)
+
+
 def _dependency(events_by_stage, stage, event):
     """The event on a neighbour that `event` needs: F(i) the previous stage's F(i), B(i) the next stage's B(i)."""
     neighbour = stage - 1 if event.kind == "F" else stage + 1
@@ -395,8 +413,10 @@ def record_timelines(rank, world_size, schedules, micro_batch_counts, *, hidden_
             stage, opt, split = stages[name]
             for m in micro_batch_counts:
                 dist.barrier()
+                elapsed = stopwatch()
                 with record_step(stage, split=split) as record:
                     schedule(stage, batch, m)
+                record.waited = elapsed().waited
                 opt.step()
                 opt.zero_grad()
                 if step >= warmup:

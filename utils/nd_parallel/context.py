@@ -2,12 +2,12 @@
 group inside every block, composed with section 2's FSDP x tensor (and sequence) parallel, the context group in the
 data group's place: its ranks hold the same weights (FSDP-sharded over it) and different chunks of every sequence."""
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 
 from utils import pytorch_reference
+from utils.bench import stopwatch
 from utils import sequence_parallel as sp
 from utils.model import make_optimizer
 from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, raised_in
@@ -131,7 +131,7 @@ def train_pytorch_cp_main(rank, world_size, sizes, mesh, num_steps, seed=0, lr=1
     for step in range(num_steps):
         inputs, targets = (x.clone() for x in make_tokens(sizes, seed, step))  # sharded in place by context_parallel
         positions = torch.arange(sizes.seq_len)
-        start = time.perf_counter()
+        elapsed = stopwatch()
         try:
             with context_parallel(device_mesh["context"], buffers=[inputs, targets, positions],
                                   buffer_seq_dims=[1, 1, 0]):
@@ -141,7 +141,7 @@ def train_pytorch_cp_main(rank, world_size, sizes, mesh, num_steps, seed=0, lr=1
             return f"{type(e).__name__}: {e}"
         optimizer.step()
         optimizer.zero_grad()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(elapsed())
         losses.append(loss.item())
     weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
     return losses, weights, seconds

@@ -13,7 +13,6 @@ stage, and the (context, tensor) mesh, is this composition on its own plane.
 """
 import contextlib
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ import torch.nn as nn
 
 from utils import fsdp, pytorch_reference
 from utils import sequence_parallel as sp
+from utils.bench import slowest, stopwatch
 from utils.counting import bytes_written
 from utils.memory import MemoryTracker
 from utils.model import make_optimizer
@@ -157,7 +157,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
         inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate, data_parallel, tensor_parallel)
         phases, tracked = {}, track_memory and step == min(1, num_steps - 1)
         tracker = MemoryTracker(lambda: shards.parameters() + list(model.parameters()), optimizer)
-        start = time.perf_counter()
+        elapsed = stopwatch()  # the step's seconds, and what its threads waited for a core (utils.bench)
         with communication_by_group(groups) as log, (tracker if tracked else contextlib.nullcontext()):
             mark = phase_marker(log, phases)
             shards.unshard()
@@ -182,7 +182,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
             optimizer.step()
             optimizer.zero_grad()
             shards.reshard()
-        run.seconds.append(time.perf_counter() - start)
+        run.seconds.append(elapsed())
         run.losses.append(loss.item())
         run.peak = tracker.peak if tracked else run.peak
     run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
@@ -212,12 +212,12 @@ def train_pytorch_2d_main(rank, world_size, sizes, data_parallel, tensor_paralle
     losses, seconds, wire = [], [], []
     for step in range(num_steps):
         inputs, targets = (x.chunk(data_parallel)[data_rank] for x in make_tokens(sizes, seed, step))
-        start, written = time.perf_counter(), bytes_written()
+        elapsed, written = stopwatch(), bytes_written()
         loss = lm_loss(model(inputs, torch.arange(sizes.seq_len)), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(elapsed())
         wire.append(None if written is None else bytes_written() - written)
         losses.append(loss.item())
     weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
@@ -230,7 +230,7 @@ def train_and_record(run, shards, groups, guard, step, num_steps, lr):
     step's gradient shards, calls and bytes per group are recorded in `run`."""
     optimizer = make_optimizer(shards.parameters(), "adamw", lr)
     for i in range(num_steps):
-        start = time.perf_counter()
+        elapsed = stopwatch()
         with communication_by_group(groups, guard) as log:
             shards.unshard()
             loss = step(i)
@@ -240,7 +240,7 @@ def train_and_record(run, shards, groups, guard, step, num_steps, lr):
         optimizer.step()
         optimizer.zero_grad()
         shards.reshard()
-        run.seconds.append(time.perf_counter() - start)
+        run.seconds.append(elapsed())
         run.losses.append(float(loss or 0.0))  # a pipeline stage without the loss returns 0
     run.shards = {name: s.detach().clone() for name, s in shards.shards.items()}
     return run
@@ -289,6 +289,6 @@ def agreement(runs, want, want_losses, tolerance=1e-12):
 
 
 def slowest_steps(seconds_by_rank):
-    """Each step's seconds on its slowest rank (a step ends with its last rank), the first step left out (it opens
-    gloo's connections): the samples of utils.bench.spread."""
-    return [max(step) for step in zip(*seconds_by_rank)][1:]
+    """Each step's seconds on its slowest rank (a step ends with its last rank; with what waiting for a core added to
+    it, utils.bench.slowest), the first step left out (it opens gloo's connections): the samples of bench.spread."""
+    return [slowest(step) for step in zip(*seconds_by_rank)][1:]

@@ -5,12 +5,12 @@ pipeline coordinate with the same data and tensor coordinates (rank -/+ T)."""
 import contextlib
 import dataclasses
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from utils import pytorch_reference
+from utils.bench import stopwatch
 from utils import sequence_parallel as sp
 from utils.model import make_optimizer
 from utils.nd_parallel.communication import PEER_NAMES, CompositionMistake, peer_of, raised_in
@@ -263,11 +263,11 @@ def train_pytorch_3d_main(rank, world_size, sizes, mesh, num_micro_batches, num_
     losses, seconds = [], []
     for step in range(num_steps):
         inputs, targets = (x.chunk(mesh[0])[data_rank] for x in make_tokens(sizes, seed, step))
-        start, micro_losses = time.perf_counter(), []
+        elapsed, micro_losses = stopwatch(), []
         schedule.step(*([inputs] if stage == 0 else []), target=targets, losses=micro_losses)
         optimizer.step()
         optimizer.zero_grad()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(elapsed())
         losses.append(sum(loss.item() for loss in micro_losses) / num_micro_batches if micro_losses else None)
     weights = {name: pytorch_reference.full_tensor(p) for name, p in model.named_parameters()}
     return losses, weights, seconds
