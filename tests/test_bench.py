@@ -208,7 +208,7 @@ def test_an_order_that_survives_removing_the_waits_for_a_core_is_claimed():
 def test_an_order_that_waiting_for_a_core_can_explain_cannot_be_separated():
     # one run of the slower waited 1.1 s of its 2.2: without it, it could have been faster than a run of the faster
     fast, slow = waited(FAST, [0.0] * 5), waited(SLOW, [0.1, 0.1, 0.1, 1.1, 0.1])
-    reason = "their ranks waited up to 50% of a run for a core, taken by other processes"
+    reason = "their ranks waited up to 50% of a run for a core, held by other ranks or processes"
     assert bench.order_verdict({"fast": fast, "slow": slow}) == f"this machine cannot separate fast and slow: {reason}"
     assert bench.ratio_verdict("slow", slow, "fast", fast) == \
         f"this machine cannot separate slow and fast: {reason} (ratio 1.67 to 2.30)"
@@ -233,7 +233,7 @@ def test_a_chain_marks_the_pairs_that_waiting_for_a_core_can_explain():
     spreads = {"a": waited(runs(1), [0] * 7), "b": waited(runs(2), [0.5] * 7), "c": waited(runs(3), [1.5] + [0.1] * 6)}
     verdict = bench.order_verdict(spreads)
     assert verdict == ("fastest to slowest: a < b ~ c (~: this machine cannot separate them; their ranks waited up to "
-                       "50% of a run for a core, taken by other processes)")
+                       "50% of a run for a core, held by other ranks or processes)")
     assert bench.verdict_relations(verdict) == {("a", "b"), ("a", "c")}
     assert bench.verdicts_agree("fastest to slowest: a < b < c", verdict)
     from test_timing_verdicts import VERDICT
@@ -251,7 +251,7 @@ def test_idle_shares_lose_the_share_of_the_step_their_ranks_waited():
     large = dict(small, GPipe=bench.share_spread(more, [0.05, 0.25, 0.05, 0.05, 0.05]))  # 0.32 - 0.25 < 0.12
     assert bench.order_verdict(large, ("least idle", "most idle")) == ("this machine cannot separate 1F1B and GPipe: "
                                                                        "their ranks waited up to 25% of a run for a "
-                                                                       "core, taken by other processes")
+                                                                       "core, held by other ranks or processes")
 
 
 def test_waits_are_read_around_each_run_and_survive_the_trip_from_the_ranks():

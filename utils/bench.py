@@ -143,7 +143,8 @@ def threads(n):
 # machine cannot see appears under load. So the order a < b is claimed only if it survives removing from every run
 # of b the seconds its ranks waited for a core (Linux's schedstat, read around each run): every run of a is faster
 # than every run of b less its wait (Spread.unwaited). Where the OS does not say (macOS), waits are None and the
-# rule is the ranges' alone. On an idle machine the waits are microseconds, and change nothing.
+# rule is the ranges' alone. On an idle machine with no more busy ranks than cores the waits are microseconds, and
+# change nothing; with more, the ranks wait for each other's cores, and only an order larger than that stands.
 Spread = collections.namedtuple("Spread", "median low high runs unwaited waited", defaults=(None, None, None))
 # seconds; runs: how many; unwaited: the least of (a run - what waiting for a core added to it); waited: the largest
 # share of a run its ranks waited for a core (0.38: 38%); both None where the OS does not say
@@ -229,7 +230,7 @@ def separated(a, b, claims=1):
 def why_waited(slower):
     share = slower.waited or 0
     return (f"their ranks waited up to {f'{share:.0%}' if share >= 0.01 else 'under 1%'} of a run for a core, "
-            f"taken by other processes")
+            f"held by other ranks or processes")
 
 
 def why_not_separated(a, b, claims=1):
