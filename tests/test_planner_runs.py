@@ -46,7 +46,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
 # torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
 # FSDP 128 (1.11: its best, no recomputation at local batch 2, no longer fits; TP 2 halves the logits), 46 of 72.
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.63, 0.70  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.62, 0.70  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -232,6 +232,23 @@ def test_the_search_offers_only_the_zero_stages_of_the_runs_framework():
     assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {1}  # none
     assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 ZeRO-3 174.6B 384"], micro_batch_sizes=(4,))} \
         == {1, 3}  # DeepSpeed's
+
+
+def test_the_search_offers_only_the_recomputation_and_schedules_of_the_runs_framework():
+    for run in pr.RUNS:  # what each run did is among what its framework offered
+        offers = pr.framework_offers(run.layout)
+        schedule = "interleaved" if (run.layout.virtual_stages or 1) > 1 else run.layout.schedule or "1F1B"
+        assert schedule in {s for s, _ in offers["schedules"]} and offers["schedules"][0] == ("1F1B", 1), run.name
+        assert run.layout.recompute in offers["recomputes"] + (None, "selective_op"), run.name
+    assert all(f.source and "1F1B" in f.schedules for f in pr.FRAMEWORKS.values())
+    rows = pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))  # Megatron-LM 2021: no selective, no ZB
+    assert {r["recompute"] for r in rows} <= {"none", "full"} and "selective" in pl.RECOMPUTE
+    rows = pr.search_plan(RUNS["mt-nlg 530B 2240"], micro_batch_sizes=(1,), recomputes=("full",))
+    assert {r["schedule"] for r in rows} == {"1F1B"}  # DeepSpeed's pipeline engine
+    compiled, eager = (pr.framework_offers(RUNS[name].layout)["schedules"]  # zero bubble: no torch.compile
+                       for name in ("torchtitan 8B FSDP 8 + torch.compile", "torchtitan 8B FSDP 8"))
+    assert ("ZB-H1", 1) in eager and ("ZB-H1", 1) not in compiled
+    assert pr.framework_offers(RUNS["deepseek-v3 671B"].layout)["schedules"] == pl.SCHEDULE_CHOICES  # none named
 
 
 def test_the_search_offers_the_knobs_a_run_states():
