@@ -46,7 +46,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # GB without; at none it would be the planner's best). Each with its reason (format_layout_ranks).
 # torchtitan's loss counted at 12 bytes per logit (F.cross_entropy's backward) took one run beyond 10%: its eager 8B
 # FSDP 128 (1.11: its best, no recomputation at local batch 2, no longer fits; TP 2 halves the logits), 46 of 72.
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.62, 0.70  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.56, 0.65  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 
@@ -229,7 +229,7 @@ def test_the_search_offers_only_the_zero_stages_of_the_runs_framework():
     megatron = RUNS["megatron24 1.7B"]  # Megatron-LM of 2024: ZeRO 0 or 1 (its distributed optimizer), no FSDP
     assert megatron.layout.zero_stages == (0, 1)
     assert {r["zero_stage"] for r in pr.search_plan(megatron, micro_batch_sizes=(4,))} == {1}
-    assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {1}  # none
+    assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 1.7B"], micro_batch_sizes=(8,))} == {0}  # none
     assert {r["zero_stage"] for r in pr.search_plan(RUNS["megatron21 ZeRO-3 174.6B 384"], micro_batch_sizes=(4,))} \
         == {1, 3}  # DeepSpeed's
 
@@ -285,7 +285,7 @@ def test_the_offered_gap_is_the_gap_among_what_the_framework_offered():
     run = RUNS["megatron21 1.7B"]  # 32 GPUs
     rank, gap, best = pr.layout_rank(run)
     offered_rank, offered_gap, offered_best = pr.layout_rank(run, pr.LAYOUT_REASONS[run.name].offered)
-    assert offered_best["cp"] == 1 and offered_best["zero_stage"] == 1 and offered_gap <= gap
+    assert offered_best["cp"] == 1 and offered_best["zero_stage"] == 0 and offered_gap <= gap
     row, = pr.validate([run])
     assert (row["rank"], row["gap"], row["offered_gap"]) == (rank, gap, offered_gap)
     lines = pr.format_layout_ranks([row]).splitlines()

@@ -563,9 +563,10 @@ def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt
                  grad_bytes=2 if gpt3 else 4)
 
 
-# Megatron-LM before its distributed optimizer (2022) sharded no optimizer state, gradient or weight: the planner's
-# ZeRO-1 stands for its plain data parallel (as fast, less memory); ZeRO-3 was DeepSpeed's, the paper's baseline.
-MEGATRON_LM_2021_2022_ZERO = (0, 1)
+# Megatron-LM before its distributed optimizer (--use-distributed-optimizer, later in 2022) sharded no optimizer
+# state, gradient or weight: ZeRO 0 only, so that no alternative is given ZeRO-1's sharded optimizer states, which
+# its authors did not have; ZeRO-3 was DeepSpeed's, the paper's baseline.
+MEGATRON_LM_2021_2022_ZERO = (0,)
 
 def _narayanan_table1():
     # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
@@ -1014,7 +1015,7 @@ class Reason:
     offered: dict = dataclasses.field(default_factory=dict)  # {plan column: allowed values}
 
 
-MEGATRON_2021 = {"cp": {1}, "zero_stage": {1}}  # its recomputation and schedules: in the search (framework_offers)
+MEGATRON_2021 = {"cp": {1}}  # its ZeRO stages, recomputation and schedules: in the search itself (framework_offers)
 TORCHTITAN = "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370), Table {}"
 LLAMA3_SOURCE = "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783), section 3.3.2 and Table 4"
 _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reason of every run it names
@@ -1031,7 +1032,7 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"korthikanti22 ": Reason(
         "one model-parallel replica (data parallel 1) to measure sequence parallel; no context parallel or ZeRO yet",
         "Korthikanti et al. 2022 (arXiv 2205.05198), section 6 and Table 3",
-        {"cp": {1}, "zero_stage": {1}}),
+        {"cp": {1}}),
     r"llama3 405B 16384 cp16": Reason(
         "the long-context stage kept the 8K runs' TP 8 x PP 16 and added CP 16 to fit 131K tokens",
         LLAMA3_SOURCE, {"tp": {8}, "pp": {16}}),
