@@ -228,10 +228,21 @@ class Framework:
     recomputes: tuple
     schedules: tuple  # names of the planner's schedules (SCHEDULES); 1F1B always
     source: str
+    even_stages: bool = False  # as many layers on every (virtual) stage (Megatron-LM)
+    interleaved_from: int = 2  # the fewest pipeline stages it interleaves
 
 
 NONE_OR_FULL = ("none", "full")  # activation checkpointing of whole layers, or none
 MEGATRON_SCHEDULES = ("1F1B", "interleaved")
+# Megatron-LM splits the layers evenly: megatron/model/transformer.py asserts 'num_layers must be divisible by
+# transformer_pipeline_model_parallel_size', and arguments.py that the layers per pipeline stage divide by
+# --num-layers-per-virtual-pipeline-stage: L % (p v) == 0, so its interleaving degrees are those that divide L / p
+# (Korthikanti et al. 2022 ran v = 3 at 105 layers on 35 stages). Until --overlap-p2p-comm (2023) arguments.py also
+# refused interleaving on 2 stages: "pipeline-model-parallel size should be greater than 2 with interleaved schedule".
+MEGATRON_EVEN = ("megatron/model/transformer.py, ParallelTransformer's number of layers per stage, and "
+                 "megatron/arguments.py's virtual pipeline stages: layers split evenly over (virtual) stages")
+MEGATRON_3_STAGES = ("; megatron/arguments.py before --overlap-p2p-comm: 'pipeline-model-parallel size should be "
+                     "greater than 2 with interleaved schedule'")
 DEEPSPEED_PIPE = ("DeepSpeed's pipeline engine runs one schedule, TrainSchedule, a 1F1B without interleaving "
                   "(deepspeed/runtime/pipe/schedule.py); its activation checkpointing recomputes whole layers "
                   "(deepspeed/runtime/activation_checkpointing/checkpointing.py, Megatron's checkpoint_activations)")
@@ -239,14 +250,16 @@ FRAMEWORKS = {
     "Megatron-LM 2021": Framework(NONE_OR_FULL, MEGATRON_SCHEDULES, (
         "Narayanan et al. 2021 section 2.2 (the interleaved schedule, --num-layers-per-virtual-pipeline-stage) and "
         "section 3.5 (--checkpoint-activations: whole layers); selective recomputation came with Korthikanti et al. "
-        "2022 (--recompute-granularity selective, Megatron-LM 2022), ZB-H1 with Qi et al. 2023 (arXiv 2401.10241)")),
+        "2022 (--recompute-granularity selective, Megatron-LM 2022), ZB-H1 with Qi et al. 2023 (arXiv 2401.10241); "
+        + MEGATRON_EVEN + MEGATRON_3_STAGES), even_stages=True, interleaved_from=3),
     "Megatron-LM 2022": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
         "Korthikanti et al. 2022 (arXiv 2205.05198) section 5 (selective recomputation, Megatron-LM's "
-        "--recompute-granularity selective); no zero-bubble schedule before Qi et al. 2023")),
+        "--recompute-granularity selective); no zero-bubble schedule before Qi et al. 2023; " + MEGATRON_EVEN
+        + MEGATRON_3_STAGES), even_stages=True, interleaved_from=3),
     "Megatron-LM 2024": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
         "megatron/training/arguments.py of 2024 (--recompute-granularity full|selective, "
         "--num-layers-per-virtual-pipeline-stage); megatron/core/pipeline_parallel/schedules.py has 1F1B with and "
-        "without interleaving, no zero-bubble schedule")),
+        "without interleaving, no zero-bubble schedule; " + MEGATRON_EVEN), even_stages=True),
     "DeepSpeed 2021": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (MT-NLG, DeepSpeed 0.3's ZeRO-3)"),
     "DeepSpeed 2022": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (GPT-NeoX's DeeperSpeed, BLOOM's "
                                 "Megatron-DeepSpeed, forked from Megatron-LM before its selective recomputation)"),
@@ -276,8 +289,18 @@ def framework_offers(layout):
     schedules = framework.schedules
     if layout.framework.startswith("torchtitan") and layout.fused:
         schedules = tuple(s for s in schedules if s != "ZB-H1")
-    return {"recomputes": framework.recomputes,
-            "schedules": tuple(c for c in pl.SCHEDULE_CHOICES if c[0] in schedules)}
+    choices = pl.SCHEDULE_CHOICES + ((("interleaved", 3),) if framework.even_stages else ())  # v = 3: Korthikanti's
+    return {"recomputes": framework.recomputes, "even_stages": framework.even_stages,
+            "schedules": tuple(c for c in choices if c[0] in schedules)}
+
+
+def runs_split(layout, num_layers, pp, v):
+    """Whether the run's framework can split num_layers layers over pp stages of v pieces each (Framework.even_stages,
+    Framework.interleaved_from)."""
+    framework = FRAMEWORKS.get(layout.framework)
+    if pp == 1 or framework is None:
+        return True
+    return (v == 1 or pp >= framework.interleaved_from) and (not framework.even_stages or num_layers % (pp * v) == 0)
 
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
@@ -307,23 +330,27 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
     return (config, missing) if with_missing else config
 
 
-def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=None, zero_stages=None):
+def knob_choices(layout, num_layers, micro_batch_sizes=(1, 2, 4, 8), recomputes=None, zero_stages=None):
     """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated (ZeRO
-    stages and recomputation modes: those its framework offers, layout.zero_stages and framework_offers)."""
+    stages, recomputation modes and interleaving degrees: those its framework offers, layout.zero_stages and
+    framework_offers, for its num_layers layers)."""
+    offers = framework_offers(layout)
     zero_stages = layout.zero_stages if zero_stages is None else zero_stages
-    recomputes = framework_offers(layout)["recomputes"] if recomputes is None else recomputes
+    recomputes = offers["recomputes"] if recomputes is None else recomputes
+    interleavings = [v for v in sorted({v for _, v in offers["schedules"]})
+                     if runs_split(layout, num_layers, layout.pp, v)]
     def stated(value, choices):
         return (value,) if value is not None else tuple(choices)
     return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
             for r in stated(layout.recompute, recomputes) for z in stated(layout.zero_stage, zero_stages)
-            for v in stated(layout.virtual_stages, (1, 2, 4))]
+            for v in stated(layout.virtual_stages, interleavings)]
 
 
 def lacking_fields(run):
     """What the record holds that this planner's Model, Cluster and Config have no field for (at the record's
     stated values: a tied output layer, interleaving, uneven stages, float8...)."""
     lacks = set(planner_model(run.shape, with_missing=True)[1]) | set(planner_cluster(run, with_missing=True)[1])
-    for mbs, recompute, zero, v in knob_choices(run.layout):
+    for mbs, recompute, zero, v in knob_choices(run.layout, run.shape.num_layers):
         lacks |= set(planner_config(run.layout, mbs, recompute, zero, v, with_missing=True)[1])
     return sorted(lacks)
 
@@ -332,7 +359,7 @@ def estimate_published(run):
     """The planner's row for the published layout, its unstated knobs at the planner's best: the fastest that fits,
     or the smallest in memory if none fits. A ValueError (the planner's message) if it can express none of them."""
     model, cluster, rows = planner_model(run.shape), planner_cluster(run), []
-    for mbs, recompute, zero, v in knob_choices(run.layout):
+    for mbs, recompute, zero, v in knob_choices(run.layout, run.shape.num_layers):
         try:
             rows.append(pl.estimate(model, cluster, run.layout.global_batch,
                                     planner_config(run.layout, mbs, recompute, zero, v)))
@@ -360,7 +387,8 @@ def search_plan(run, **choices):
     """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
     settings (framework_settings) and given only the ZeRO stages, recomputation modes and pipeline schedules that
     framework offers (Layout.zero_stages, framework_offers; ZeRO-1 standing for 0 and 2 where offered, as the
-    planner's search takes them, ZeRO-1 being as fast as 0 in less memory). The knobs the run states are searched
+    planner's search takes them, ZeRO-1 being as fast as 0 in less memory), and only the splits of layers over
+    stages it could run (runs_split: Megatron-LM's are even). The knobs the run states are searched
     too, where the planner's choices lack them (Llama 3's ZeRO-2, with less memory than ZeRO-1; torchtitan's
     selective_op recomputation and local batch of 16): the published split is ranked at its own knobs or better."""
     layout, offered, offers = run.layout, run.layout.zero_stages, framework_offers(run.layout)
@@ -372,8 +400,9 @@ def search_plan(run, **choices):
                          ("micro_batch_sizes", layout.micro_batch_size)):
         if name not in choices:
             choices[name] = searched[name] + ((stated,) if stated is not None and stated not in searched[name] else ())
-    return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
+    rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
                    settings=framework_settings(run.layout), **choices)
+    return [r for r in rows if runs_split(layout, run.shape.num_layers, r["pp"], r["v"])]
 
 
 def _rank(run, rows, offered=None):
