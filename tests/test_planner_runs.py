@@ -28,7 +28,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # and 1.16 at micro-batch 1 before), torchtitan's 405B rows since their AsyncTP is (Tables 5 and 6 say it ran).
 # Every trained layout fits (72 of 72): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
 # (one weight tensor gathered at a time, whole gradients until their reduce-scatter) and the last rank's logits
-# freed before its recomputation are counted: 84.3 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.2 (OOM).
+# freed before its recomputation are counted: 84.4 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.4 (OOM).
 # The published split within 10% of the planner's best: 44 of 72 searched runs (61%), 50 of 72 (69%) among the choices
 # each run's framework offered (utils.planner_runs.LAYOUT_REASONS). Every layout of a run's search is priced with its
 # framework's settings (no sequence parallel before 2022, eager kernels, Float8, AsyncTP, DeepSpeed's pipeline engine:

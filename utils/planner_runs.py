@@ -659,7 +659,7 @@ def _narayanan_table2():
                                      "copies the n ranks' shards out one by one (gather_copies); it holds one "
                                      "weight tensor whole at a time, and whole gradients until their list "
                                      "reduce_scatter's turn (memory.deepspeed03_buffer_bytes): the 530B on 640 "
-                                     "GPUs at 84.3 GB of 85.9, its neighbour on 560 at 86.2 (out of memory).")))
+                                     "GPUs at 84.4 GB of 85.9, its neighbour on 560 at 86.4 (out of memory).")))
     # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
@@ -669,7 +669,7 @@ def _narayanan_table2():
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",
-                                 "Predicted at 86.2 GB of 85.9, its neighbour on 640 GPUs at 84.3: the 1.9 GB of "
+                                 "Predicted at 86.4 GB of 85.9, its neighbour on 640 GPUs at 84.4: the 2.0 GB of "
                                  "optimizer shards between them is less than the planner's assumed fragmentation "
                                  "(5%, 4 GB here), so which side each falls on rests on that assumption.")))
     return runs
