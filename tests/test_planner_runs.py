@@ -257,6 +257,9 @@ def test_the_search_splits_layers_over_stages_as_the_runs_framework_could():
     assert not pr.runs_split(megatron, 105, 56, 1) and pr.runs_split(deepspeed, 105, 56, 1)  # uneven: DeepSpeed's
     assert not pr.runs_split(megatron, 48, 2, 4) and pr.runs_split(megatron, 48, 4, 4)  # interleaved on > 2 stages
     assert pr.runs_split(RUNS["megatron24 70B"].layout, 84, 2, 2)  # since --overlap-p2p-comm: on 2 too
+    bloom = RUNS["bloom 176B"].layout  # DeepSpeed's pipeline engine: ZeRO 0 or 1 only
+    assert pr.runs_split(bloom, 70, 12, 1, 1) and not pr.runs_split(bloom, 70, 12, 1, 3)
+    assert pr.runs_split(bloom, 70, 1, 1, 3)  # without a pipeline, any
     run = RUNS["megatron21 39.1B"]  # 48 layers
     rows = pr.search_plan(run, micro_batch_sizes=(1,), recomputes=("full",))
     assert rows and all(48 % (r["pp"] * r["v"]) == 0 and (r["v"] == 1 or r["pp"] > 2) for r in rows)

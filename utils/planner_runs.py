@@ -230,6 +230,7 @@ class Framework:
     source: str
     even_stages: bool = False  # as many layers on every (virtual) stage (Megatron-LM)
     interleaved_from: int = 2  # the fewest pipeline stages it interleaves
+    zero_under_pipeline: int = 3  # the highest ZeRO stage it runs with a pipeline
 
 
 NONE_OR_FULL = ("none", "full")  # activation checkpointing of whole layers, or none
@@ -245,7 +246,8 @@ MEGATRON_3_STAGES = ("; megatron/arguments.py before --overlap-p2p-comm: 'pipeli
                      "greater than 2 with interleaved schedule'")
 DEEPSPEED_PIPE = ("DeepSpeed's pipeline engine runs one schedule, TrainSchedule, a 1F1B without interleaving "
                   "(deepspeed/runtime/pipe/schedule.py); its activation checkpointing recomputes whole layers "
-                  "(deepspeed/runtime/activation_checkpointing/checkpointing.py, Megatron's checkpoint_activations)")
+                  "(deepspeed/runtime/activation_checkpointing/checkpointing.py, Megatron's checkpoint_activations); "
+                  "its engine asserts 'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'")
 FRAMEWORKS = {
     "Megatron-LM 2021": Framework(NONE_OR_FULL, MEGATRON_SCHEDULES, (
         "Narayanan et al. 2021 section 2.2 (the interleaved schedule, --num-layers-per-virtual-pipeline-stage) and "
@@ -260,9 +262,11 @@ FRAMEWORKS = {
         "megatron/training/arguments.py of 2024 (--recompute-granularity full|selective, "
         "--num-layers-per-virtual-pipeline-stage); megatron/core/pipeline_parallel/schedules.py has 1F1B with and "
         "without interleaving, no zero-bubble schedule; " + MEGATRON_EVEN), even_stages=True),
-    "DeepSpeed 2021": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (MT-NLG, DeepSpeed 0.3's ZeRO-3)"),
+    "DeepSpeed 2021": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (MT-NLG, DeepSpeed 0.3's ZeRO-3)",
+                                zero_under_pipeline=1),
     "DeepSpeed 2022": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (GPT-NeoX's DeeperSpeed, BLOOM's "
-                                "Megatron-DeepSpeed, forked from Megatron-LM before its selective recomputation)"),
+                                "Megatron-DeepSpeed, forked from Megatron-LM before its selective recomputation)",
+                                zero_under_pipeline=1),
     "metaseq 2022": Framework(NONE_OR_FULL, ("1F1B",), (
         "facebookresearch/metaseq: --checkpoint-activations wraps whole layers (fairscale's checkpoint_wrapper); "
         "it has no pipeline parallel (Reason.offered keeps pp 1)")),
@@ -294,13 +298,14 @@ def framework_offers(layout):
             "schedules": tuple(c for c in choices if c[0] in schedules)}
 
 
-def runs_split(layout, num_layers, pp, v):
-    """Whether the run's framework can split num_layers layers over pp stages of v pieces each (Framework.even_stages,
-    Framework.interleaved_from)."""
+def runs_split(layout, num_layers, pp, v, zero_stage=0):
+    """Whether the run's framework can split num_layers layers over pp stages of v pieces each, at that ZeRO stage
+    (Framework.even_stages, interleaved_from, zero_under_pipeline)."""
     framework = FRAMEWORKS.get(layout.framework)
     if pp == 1 or framework is None:
         return True
-    return (v == 1 or pp >= framework.interleaved_from) and (not framework.even_stages or num_layers % (pp * v) == 0)
+    return ((v == 1 or pp >= framework.interleaved_from) and zero_stage <= framework.zero_under_pipeline
+            and (not framework.even_stages or num_layers % (pp * v) == 0))
 
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
@@ -402,7 +407,7 @@ def search_plan(run, **choices):
             choices[name] = searched[name] + ((stated,) if stated is not None and stated not in searched[name] else ())
     rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
                    settings=framework_settings(run.layout), **choices)
-    return [r for r in rows if runs_split(layout, run.shape.num_layers, r["pp"], r["v"])]
+    return [r for r in rows if runs_split(layout, run.shape.num_layers, r["pp"], r["v"], r["zero_stage"])]
 
 
 def _rank(run, rows, offered=None):
