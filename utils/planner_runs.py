@@ -338,12 +338,15 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
 def knob_choices(layout, num_layers, micro_batch_sizes=(1, 2, 4, 8), recomputes=None, zero_stages=None):
     """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated (ZeRO
     stages, recomputation modes and interleaving degrees: those its framework offers, layout.zero_stages and
-    framework_offers, for its num_layers layers)."""
+    framework_offers, for its num_layers layers; with Megatron-LM's even stages, every v dividing the layers per
+    stage, as --num-layers-per-virtual-pipeline-stage allows, where the search takes 2 to 4)."""
     offers = framework_offers(layout)
     zero_stages = layout.zero_stages if zero_stages is None else zero_stages
     recomputes = offers["recomputes"] if recomputes is None else recomputes
-    interleavings = [v for v in sorted({v for _, v in offers["schedules"]})
-                     if runs_split(layout, num_layers, layout.pp, v)]
+    interleavings = {v for _, v in offers["schedules"]}
+    if offers["even_stages"] and "interleaved" in {s for s, _ in offers["schedules"]}:  # any v dividing L / p
+        interleavings |= set(pl.divisors(num_layers // layout.pp))
+    interleavings = [v for v in sorted(interleavings) if runs_split(layout, num_layers, layout.pp, v)]
     def stated(value, choices):
         return (value,) if value is not None else tuple(choices)
     return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
