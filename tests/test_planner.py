@@ -10,6 +10,7 @@ from utils import planner as pl
 from utils.checks.planner import CASES, MODEL, check_memory_per_device, mistakes
 from utils.launch import spawn
 from utils.notebooks import solution
+from utils.pipeline import interleaved_order
 from utils.transformer import TransformerSizes
 
 LLAMA2_7B = pl.Model(32, 4096, 32, 11008, 4096, 32000, ffn_matrices=3)
@@ -84,11 +85,29 @@ def test_activations_korthikanti():
     # 4 bytes per element: the masks stay 1 byte (2 sbh of the 34), the rest doubles
     assert pl.layer_activation_bytes(dataclasses.replace(GPT_TINY, activation_bytes=4), config) == (
         192 * (64 + 2) + 12 * 4 * 4 * (4 + 1 + 4)) / 2  # s b h (16 x 4 + 2) + s b a s (4 + 1 + 4), over t
-    # 1F1B: min(pp, m) micro-batches in flight on the first stage, each with num_layers / pp layers
-    assert pl.activation_bytes(GPT_TINY, config, 8) == 2 * 2 * 192 * 39 / 2
-    assert pl.activation_bytes(GPT_TINY, config, 1) == 1 * 2 * 192 * 39 / 2
+    # 1F1B: min(pp, m) micro-batches in flight on the first stage, each with num_layers / pp layers, and each its
+    # embedding's 1-byte dropout mask, s b h / t (Korthikanti et al.'s s b h p / t)
+    assert pl.activation_bytes(GPT_TINY, config, 8) == 2 * 2 * 192 * 39 / 2 + 2 * 192 / 2
+    assert pl.activation_bytes(GPT_TINY, config, 1) == 1 * 2 * 192 * 39 / 2 + 1 * 192 / 2
     full = dataclasses.replace(config, recompute="full")
-    assert pl.activation_bytes(GPT_TINY, full, 8) == 2 * 2 * 192 + 192 * 39 / 2  # plus one layer recomputed
+    assert pl.activation_bytes(GPT_TINY, full, 8) == 2 * 2 * 192 + 192 * 39 / 2 + 2 * 192 / 2  # one recomputed
+    assert pl.activation_bytes(GPT_TINY, config, 8, stage=1) == 1 * 2 * 192 * 39 / 2  # the embedding on the first
+
+
+def test_the_embedding_dropout_masks_of_the_first_rank():
+    config = pl.Config(dp=1, tp=2, pp=4, micro_batch_size=3)  # s b h = 8 x 3 x 16 = 384 bytes a micro-batch
+    assert pl.embedding_dropout_bytes(GPT_TINY, config, 8) == 4 * 384 / 2  # p in flight, split by sequence parallel
+    whole = dataclasses.replace(config, sequence_parallel=False)  # Megatron-LM 2021: whole on every rank
+    assert pl.embedding_dropout_bytes(GPT_TINY, whole, 8) == 4 * 384 and pl.embedding_dropout_bytes(TINY, whole, 8) == 0
+    assert pl.embedding_dropout_bytes(GPT_TINY, whole, 8, stage=1) == 0
+    # interleaved: the first piece's micro-batches in flight on the first rank, counted along utils.pipeline's order
+    for p, v, m in ((4, 2, 8), (4, 2, 16), (4, 4, 4), (2, 3, 6), (8, 2, 16)):
+        held = peak = 0
+        for kind, chunk, _ in interleaved_order(0, p, v, m):
+            held += (chunk == 0) * (1 if kind == "F" else -1)
+            peak = max(peak, held)
+        interleaved = dataclasses.replace(whole, pp=p, schedule="interleaved", v=v)
+        assert pl.embedding_dropout_bytes(GPT_TINY, interleaved, m) == peak * 384, (p, v, m)
 
 
 def test_activations_of_a_llama_layer():

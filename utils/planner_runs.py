@@ -93,6 +93,7 @@ class Layout:
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
+    framework: str = ""  # a key of FRAMEWORKS: the recomputation modes and schedules the search offers ('': all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,96 @@ def planner_cluster(run, with_missing=False):
     return (cluster, []) if with_missing else cluster
 
 
+# ---------------------------------------------------------------- what each run's framework offered the search
+
+@dataclasses.dataclass(frozen=True)
+class Framework:
+    """The recomputation modes and pipeline schedules a framework offered at the run's date (the search takes only
+    those: an alternative layout is one its authors could have run), each with its source."""
+
+    recomputes: tuple
+    schedules: tuple  # names of the planner's schedules (SCHEDULES); 1F1B always
+    source: str
+    even_stages: bool = False  # as many layers on every (virtual) stage (Megatron-LM)
+    interleaved_from: int = 2  # the fewest pipeline stages it interleaves
+    zero_under_pipeline: int = 3  # the highest ZeRO stage it runs with a pipeline
+
+
+NONE_OR_FULL = ("none", "full")  # activation checkpointing of whole layers, or none
+MEGATRON_SCHEDULES = ("1F1B", "interleaved")
+# Megatron-LM splits the layers evenly: megatron/model/transformer.py asserts 'num_layers must be divisible by
+# transformer_pipeline_model_parallel_size', and arguments.py that the layers per pipeline stage divide by
+# --num-layers-per-virtual-pipeline-stage: L % (p v) == 0, so its interleaving degrees are those that divide L / p
+# (Korthikanti et al. 2022 ran v = 3 at 105 layers on 35 stages). Until --overlap-p2p-comm (2023) arguments.py also
+# refused interleaving on 2 stages: "pipeline-model-parallel size should be greater than 2 with interleaved schedule".
+MEGATRON_EVEN = ("megatron/model/transformer.py, ParallelTransformer's number of layers per stage, and "
+                 "megatron/arguments.py's virtual pipeline stages: layers split evenly over (virtual) stages")
+MEGATRON_3_STAGES = ("; megatron/arguments.py before --overlap-p2p-comm: 'pipeline-model-parallel size should be "
+                     "greater than 2 with interleaved schedule'")
+DEEPSPEED_PIPE = ("DeepSpeed's pipeline engine runs one schedule, TrainSchedule, a 1F1B without interleaving "
+                  "(deepspeed/runtime/pipe/schedule.py); its activation checkpointing recomputes whole layers "
+                  "(deepspeed/runtime/activation_checkpointing/checkpointing.py, Megatron's checkpoint_activations); "
+                  "its engine asserts 'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'")
+FRAMEWORKS = {
+    "Megatron-LM 2021": Framework(NONE_OR_FULL, MEGATRON_SCHEDULES, (
+        "Narayanan et al. 2021 section 2.2 (the interleaved schedule, --num-layers-per-virtual-pipeline-stage) and "
+        "section 3.5 (--checkpoint-activations: whole layers); selective recomputation came with Korthikanti et al. "
+        "2022 (--recompute-granularity selective, Megatron-LM 2022), ZB-H1 with Qi et al. 2023 (arXiv 2401.10241); "
+        + MEGATRON_EVEN + MEGATRON_3_STAGES), even_stages=True, interleaved_from=3),
+    "Megatron-LM 2022": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
+        "Korthikanti et al. 2022 (arXiv 2205.05198) section 5 (selective recomputation, Megatron-LM's "
+        "--recompute-granularity selective); no zero-bubble schedule before Qi et al. 2023; " + MEGATRON_EVEN
+        + MEGATRON_3_STAGES), even_stages=True, interleaved_from=3),
+    "Megatron-LM 2024": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
+        "megatron/training/arguments.py of 2024 (--recompute-granularity full|selective, "
+        "--num-layers-per-virtual-pipeline-stage); megatron/core/pipeline_parallel/schedules.py has 1F1B with and "
+        "without interleaving, no zero-bubble schedule; " + MEGATRON_EVEN), even_stages=True),
+    "DeepSpeed 2021": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (MT-NLG, DeepSpeed 0.3's ZeRO-3)",
+                                zero_under_pipeline=1),
+    "DeepSpeed 2022": Framework(NONE_OR_FULL, ("1F1B",), DEEPSPEED_PIPE + " (GPT-NeoX's DeeperSpeed, BLOOM's "
+                                "Megatron-DeepSpeed, forked from Megatron-LM before its selective recomputation)",
+                                zero_under_pipeline=1),
+    "metaseq 2022": Framework(NONE_OR_FULL, ("1F1B",), (
+        "facebookresearch/metaseq: --checkpoint-activations wraps whole layers (fairscale's checkpoint_wrapper); "
+        "it has no pipeline parallel (Reason.offered keeps pp 1)")),
+    "torchtitan 2024-06": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
+        "torchtitan at 041336434916 (2024-06): activation_checkpoint.mode none|selective|full; "
+        "torch.distributed.pipelining's Schedule1F1B and ScheduleInterleaved1F1B (zero bubble came later: "
+        "pytorch/pytorch PR 133467, 2024-08)")),
+    "torchtitan 2024-12": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES + ("ZB-H1",), (
+        "torchtitan at 9dec370 (2024-12): activation_checkpoint.mode none|selective|full; pipelining's 1F1B, "
+        "Interleaved1F1B and, since pytorch/pytorch PR 133467 (2024-08), ScheduleInterleavedZeroBubble, whose "
+        "split of the backward into input and weight gradients does not run under torch.compile "
+        "(pytorch/pytorch issue 161904): offered only to eager runs (framework_offers)")),
+    "Llama 3": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
+        "Llama Team 2024 (arXiv 2407.21783) section 3.3.2: Meta's pipeline runs an interleaved schedule (after "
+        "Narayanan et al.) with the micro-batches per round tunable, no zero-bubble schedule")),
+}
+
+
+def framework_offers(layout):
+    """{plan() choice: values}: the recomputation modes and the (schedule, v) choices the run's framework offered
+    (FRAMEWORKS; all the planner's where the record names none). torch.compile rules out PyTorch's zero-bubble
+    schedule (FRAMEWORKS['torchtitan 2024-12'])."""
+    framework = FRAMEWORKS.get(layout.framework, Framework(pl.RECOMPUTE, pl.SCHEDULES, ""))
+    schedules = framework.schedules
+    if layout.framework.startswith("torchtitan") and layout.fused:
+        schedules = tuple(s for s in schedules if s != "ZB-H1")
+    choices = pl.SCHEDULE_CHOICES + ((("interleaved", 3),) if framework.even_stages else ())  # v = 3: Korthikanti's
+    return {"recomputes": framework.recomputes, "even_stages": framework.even_stages,
+            "schedules": tuple(c for c in choices if c[0] in schedules)}
+
+
+def runs_split(layout, num_layers, pp, v, zero_stage=0):
+    """Whether the run's framework can split num_layers layers over pp stages of v pieces each, at that ZeRO stage
+    (Framework.even_stages, interleaved_from, zero_under_pipeline)."""
+    framework = FRAMEWORKS.get(layout.framework)
+    if pp == 1 or framework is None:
+        return True
+    return ((v == 1 or pp >= framework.interleaved_from) and zero_stage <= framework.zero_under_pipeline
+            and (not framework.even_stages or num_layers % (pp * v) == 0))
+
+
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
             "ep_overlap", "logit_bytes")
@@ -244,22 +335,30 @@ def planner_config(layout, micro_batch_size, recompute, zero_stage, virtual_stag
     return (config, missing) if with_missing else config
 
 
-def knob_choices(layout, micro_batch_sizes=(1, 2, 4, 8), recomputes=pl.RECOMPUTE, zero_stages=None):
+def knob_choices(layout, num_layers, micro_batch_sizes=(1, 2, 4, 8), recomputes=None, zero_stages=None):
     """Every (micro-batch size, recompute, ZeRO stage, interleaving) the record allows: its own where stated (ZeRO
-    stages: those its framework offers, layout.zero_stages)."""
+    stages, recomputation modes and interleaving degrees: those its framework offers, layout.zero_stages and
+    framework_offers, for its num_layers layers; with Megatron-LM's even stages, every v dividing the layers per
+    stage, as --num-layers-per-virtual-pipeline-stage allows, where the search takes 2 to 4)."""
+    offers = framework_offers(layout)
     zero_stages = layout.zero_stages if zero_stages is None else zero_stages
+    recomputes = offers["recomputes"] if recomputes is None else recomputes
+    interleavings = {v for _, v in offers["schedules"]}
+    if offers["even_stages"] and "interleaved" in {s for s, _ in offers["schedules"]}:  # any v dividing L / p
+        interleavings |= set(pl.divisors(num_layers // layout.pp))
+    interleavings = [v for v in sorted(interleavings) if runs_split(layout, num_layers, layout.pp, v)]
     def stated(value, choices):
         return (value,) if value is not None else tuple(choices)
     return [(m, r, z, v) for m in stated(layout.micro_batch_size, micro_batch_sizes)
             for r in stated(layout.recompute, recomputes) for z in stated(layout.zero_stage, zero_stages)
-            for v in stated(layout.virtual_stages, (1, 2, 4))]
+            for v in stated(layout.virtual_stages, interleavings)]
 
 
 def lacking_fields(run):
     """What the record holds that this planner's Model, Cluster and Config have no field for (at the record's
     stated values: a tied output layer, interleaving, uneven stages, float8...)."""
     lacks = set(planner_model(run.shape, with_missing=True)[1]) | set(planner_cluster(run, with_missing=True)[1])
-    for mbs, recompute, zero, v in knob_choices(run.layout):
+    for mbs, recompute, zero, v in knob_choices(run.layout, run.shape.num_layers):
         lacks |= set(planner_config(run.layout, mbs, recompute, zero, v, with_missing=True)[1])
     return sorted(lacks)
 
@@ -268,7 +367,7 @@ def estimate_published(run):
     """The planner's row for the published layout, its unstated knobs at the planner's best: the fastest that fits,
     or the smallest in memory if none fits. A ValueError (the planner's message) if it can express none of them."""
     model, cluster, rows = planner_model(run.shape), planner_cluster(run), []
-    for mbs, recompute, zero, v in knob_choices(run.layout):
+    for mbs, recompute, zero, v in knob_choices(run.layout, run.shape.num_layers):
         try:
             rows.append(pl.estimate(model, cluster, run.layout.global_batch,
                                     planner_config(run.layout, mbs, recompute, zero, v)))
@@ -294,21 +393,24 @@ def layout_rank(run, offered=None, **choices):
 
 def search_plan(run, **choices):
     """The planner's plan for the run's model, cluster and batch, every layout priced with the run's framework
-    settings (framework_settings) and given only the ZeRO stages that framework offers (Layout.zero_stages: ZeRO-1
-    standing for 0 and 2 where offered, as the planner's search takes them, ZeRO-1 being as fast as 0 in less
-    memory). The knobs the run states are searched too, where the planner's choices lack them (Llama 3's ZeRO-2,
-    with less memory than ZeRO-1; torchtitan's selective_op recomputation and local batch of 16): the published
-    split is ranked at its own knobs or better."""
-    layout, offered = run.layout, run.layout.zero_stages
+    settings (framework_settings) and given only the ZeRO stages, recomputation modes and pipeline schedules that
+    framework offers (Layout.zero_stages, framework_offers; ZeRO-1 standing for 0 and 2 where offered, as the
+    planner's search takes them, ZeRO-1 being as fast as 0 in less memory), and only the splits of layers over
+    stages it could run (runs_split: Megatron-LM's are even). The knobs the run states are searched
+    too, where the planner's choices lack them (Llama 3's ZeRO-2, with less memory than ZeRO-1; torchtitan's
+    selective_op recomputation and local batch of 16): the published split is ranked at its own knobs or better."""
+    layout, offered, offers = run.layout, run.layout.zero_stages, framework_offers(run.layout)
     searched = {"zero_stages": tuple(z for z in (1, 3) if z in offered) or (max(offered),),
-                "recomputes": pl.RECOMPUTE, "micro_batch_sizes": (1, 2, 4, 8)}
+                "recomputes": offers["recomputes"], "micro_batch_sizes": (1, 2, 4, 8)}
+    choices.setdefault("schedules", offers["schedules"])
     zero = 1 if layout.zero_stage == 0 and 1 in searched["zero_stages"] else layout.zero_stage  # 1 as fast, smaller
     for name, stated in (("zero_stages", zero), ("recomputes", layout.recompute),
                          ("micro_batch_sizes", layout.micro_batch_size)):
         if name not in choices:
             choices[name] = searched[name] + ((stated,) if stated is not None and stated not in searched[name] else ())
-    return pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
+    rows = pl.plan(planner_model(run.shape), planner_cluster(run), run.layout.global_batch,
                    settings=framework_settings(run.layout), **choices)
+    return [r for r in rows if runs_split(layout, run.shape.num_layers, r["pp"], r["v"], r["zero_stage"])]
 
 
 def _rank(run, rows, offered=None):
@@ -498,9 +600,10 @@ def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt
                  grad_bytes=2 if gpt3 else 4)
 
 
-# Megatron-LM before its distributed optimizer (2022) sharded no optimizer state, gradient or weight: the planner's
-# ZeRO-1 stands for its plain data parallel (as fast, less memory); ZeRO-3 was DeepSpeed's, the paper's baseline.
-MEGATRON_LM_2021_2022_ZERO = (0, 1)
+# Megatron-LM before its distributed optimizer (--use-distributed-optimizer, later in 2022) sharded no optimizer
+# state, gradient or weight: ZeRO 0 only, so that no alternative is given ZeRO-1's sharded optimizer states, which
+# its authors did not have; ZeRO-3 was DeepSpeed's, the paper's baseline.
+MEGATRON_LM_2021_2022_ZERO = (0,)
 
 def _narayanan_table1():
     # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
@@ -513,7 +616,8 @@ def _narayanan_table1():
                                       "images/cases_april2021.png, commit 50a4b5fa02)",
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
-                       virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO),
+                       virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
+                       framework="Megatron-LM 2021"),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
@@ -548,7 +652,8 @@ def _narayanan_table2():
                                recompute="full", zero_stage=3 if scheme == "ZeRO-3" else 0, virtual_stages=None,
                                sequence_parallel=False, prefetch=scheme != "ZeRO-3",
                                gather_copies=scheme == "ZeRO-3",
-                               zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO),
+                               zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO,
+                               framework="DeepSpeed 2021" if scheme == "ZeRO-3" else "Megatron-LM 2021"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",
@@ -562,17 +667,17 @@ def _narayanan_table2():
                                      "copies the n ranks' shards out one by one (gather_copies); it holds one "
                                      "weight tensor whole at a time, and whole gradients until their list "
                                      "reduce_scatter's turn (memory.deepspeed03_buffer_bytes): the 530B on 640 "
-                                     "GPUs at 84.3 GB of 85.9, its neighbour on 560 at 86.2 (out of memory).")))
+                                     "GPUs at 84.4 GB of 85.9, its neighbour on 560 at 86.4 (out of memory).")))
     # Table 2's caption: "The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of
     # 4 with ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560"
     runs.append(Run("megatron21 ZeRO-3 529.6B 560 (OOM)", f"{NARAYANAN}, Table 2's caption ({TABLE2_IMAGE})",
                     shapes["529.6B"], "A100-80GB", 560, SELENE,
                     Layout(dp=560, global_batch=2240, micro_batch_size=4, recompute="full", zero_stage=3,
-                           prefetch=False, gather_copies=True),
+                           prefetch=False, gather_copies=True, framework="DeepSpeed 2021"),
                     None, oom=True,
                     assumptions=("The batch of the run that did not fit is not printed: 2240, its PTD-P "
                                  "neighbour's on 560 GPUs.",
-                                 "Predicted at 86.2 GB of 85.9, its neighbour on 640 GPUs at 84.3: the 1.9 GB of "
+                                 "Predicted at 86.4 GB of 85.9, its neighbour on 640 GPUs at 84.4: the 2.0 GB of "
                                  "optimizer shards between them is less than the planner's assumed fragmentation "
                                  "(5%, 4 GB here), so which side each falls on rests on that assumption.")))
     return runs
@@ -611,7 +716,8 @@ def _korthikanti():
                 "NVIDIA/Megatron-LM's README at 2e90a342f5 (2022-05-19, 'data parallel size of one')",
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, micro_batch_size=mbs,
-                       recompute=recompute, zero_stage=0, virtual_stages=v, zero_stages=MEGATRON_LM_2021_2022_ZERO),
+                       recompute=recompute, zero_stage=0, virtual_stages=v, zero_stages=MEGATRON_LM_2021_2022_ZERO,
+                       framework="Megatron-LM 2022"),
                 seconds, unit="step_seconds", flops="megatron_model",
                 assumptions=("Tables 3 and 5 as transcribed in a stored structured summary of the paper (with its "
                              "micro-batch column and 'interleaving stages m=3 for 175B and 530B'); the 1T's "
@@ -633,7 +739,8 @@ def _mt_nlg():
     return [Run(f"mt-nlg 530B {nodes * 8}", source.format(nodes), gpt("530B", 128, 20480, 105), "A100-80GB",
                 nodes * 8, SELENE,
                 Layout(dp=nodes * 8 // 280, tp=8, pp=35, global_batch=1920, recompute="full", virtual_stages=1,
-                       sequence_parallel=False, pp_whole_grads=True, pp_blocking=True, zero_stages=(0, 1)),
+                       sequence_parallel=False, pp_whole_grads=True, pp_blocking=True, zero_stages=(0, 1),
+                       framework="DeepSpeed 2021"),
                 seconds, unit="step_seconds", flops="narayanan2021",
                 assumptions=("Vocabulary 51,200 (GPT-2's 50,257 padded as Megatron pads it): the printed TFLOP/s "
                              "follow from the times with Narayanan et al.'s formula at that size.",
@@ -665,7 +772,8 @@ def _nemotron4():
                   grad_bytes=4)
     return [Run(f"nemotron4 340B {gpus}", f"NVIDIA 2024, 'Nemotron-4 340B Technical Report', Table 2, row DP {dp}",
                 shape, "H100-80GB", gpus, 400,
-                Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None),
+                Layout(dp=dp, tp=8, pp=12, global_batch=batch, zero_stage=1, virtual_stages=None,
+                       framework="Megatron-LM 2024"),
                 seconds, unit="step_seconds", flops="megatron_model",
                 assumptions=("Table 2 and section 3.1 ('8-way tensor parallelism, 12-way pipeline parallelism with "
                              "interleaving', a distributed optimizer sharding the optimizer state over the data-"
@@ -706,7 +814,7 @@ def _llama3():
                 "H100-80GB",
                 gpus, 400,
                 Layout(dp=dp, tp=tp, pp=pp, cp=cp, global_batch=2**24 // seq, zero_stage=2, virtual_stages=8,
-                       stage_layers=(7,) + (8,) * 14 + (7,)),
+                       stage_layers=(7,) + (8,) * 14 + (7,), framework="Llama 3"),
                 tflops, flops="6p",
                 assumptions=("The paper does not print its FLOP formula: torchtitan's 6 P + 12 l h s per token "
                              "assumed (at 131,072 tokens its attention term outweighs 6 P).",
@@ -780,7 +888,8 @@ def _torchtitan():
 
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
         runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
-                        titan(size, seq_len), "H100-96GB", gpus, 400, dataclasses.replace(layout, logit_bytes=12),
+                        titan(size, seq_len), "H100-96GB", gpus, 400,
+                        dataclasses.replace(layout, logit_bytes=12, framework="torchtitan 2024-12"),
                         tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra, disagreement=disagreement))
 
@@ -825,6 +934,7 @@ def _torchtitan():
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
                         Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12,
+                               framework="torchtitan 2024-06",
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
@@ -846,7 +956,8 @@ def _megatron_core_h100():
     return [Run(f"megatron24 {name}", f"NVIDIA/Megatron-LM README at 937571cfd4, 'Training Speed and Scalability', "
                 f"images/model_table.png, row {name}",
                 gpt(name, heads, dim, layers, seq_len=4096, vocab_size=131072, gpt3=False), "H100-80GB", gpus, 400,
-                Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None, zero_stages=(0, 1)),
+                Layout(dp=dp, tp=tp, pp=pp, global_batch=batch, virtual_stages=None, zero_stages=(0, 1),
+                       framework="Megatron-LM 2024"),
                 tflops, flops="megatron_model",
                 assumptions=("GPT with a 4h GELU MLP and tied embeddings (Megatron's defaults; the README names "
                              "neither).", "Micro-batch, recomputation, optimizer sharding and interleaving not "
@@ -870,7 +981,7 @@ def _others():
                "configs/20B.yml ('as it was trained on 96x 40GB A100')",
                Shape(44, 6144, 64, 4 * 6144, 50432, 2048, name="GPT-NeoX-20B"), "A100-40GB", 96, 100,
                Layout(dp=12, tp=2, pp=4, global_batch=1536, micro_batch_size=4, recompute="full", zero_stage=1,
-                      sequence_parallel=False, pp_whole_grads=True, pp_blocking=True),
+                      sequence_parallel=False, pp_whole_grads=True, pp_blocking=True, framework="DeepSpeed 2022"),
                None,
                assumptions=("Batch 4 x 32 accumulation x 12 replicas = 1536 (configs/20B.yml; the paper says "
                             "1538).", "Four HDR (200 Gb/s) ConnectX-6 per 8 GPUs: 100 Gb/s per GPU.",
@@ -884,7 +995,7 @@ def _others():
                 "A100-80GB", 384, 50,
                 Layout(dp=8, tp=4, pp=12, global_batch=2048, micro_batch_size=2, recompute="full", zero_stage=1,
                        sequence_parallel=False, pp_blocking=True, accumulate_fp32=True,
-                       stage_layers=(5,) + (6,) * 10 + (5,)),
+                       stage_layers=(5,) + (6,) * 10 + (5,), framework="DeepSpeed 2022"),
                 150, flops="bloom_hfu", memory_bytes=60e9,
                 assumptions=("'About 150 TFLOPs', counted as 8 P s B per step (recomputation included).",
                              "Four 100 Gb/s Omni-Path links per node of 8 GPUs: 50 Gb/s per GPU.",
@@ -906,7 +1017,8 @@ def _others():
               Shape(96, 12288, 96, 4 * 12288, 50272, 2048, mlp="relu", tied=True, name="OPT-175B"),
               "A100-80GB", 992, 200,
               Layout(dp=124, tp=8, global_batch=992, micro_batch_size=8, recompute="full", zero_stage=2,
-                     sequence_parallel=False, distribute_saved_activations=True, prefetch=False), 147,
+                     sequence_parallel=False, distribute_saved_activations=True, prefetch=False,
+                     framework="metaseq 2022"), 147,
               flops="narayanan2021",
               assumptions=("The layout as metaseq's launcher sets it (opt_baselines.py): --batch-size (2M tokens // "
                            "124 replicas) // 2048 = 8 sequences, --update-freq 1, so 992 a step; "
@@ -972,7 +1084,7 @@ class Reason:
     offered: dict = dataclasses.field(default_factory=dict)  # {plan column: allowed values}
 
 
-MEGATRON_2021 = {"cp": {1}, "zero_stage": {1}, "recompute": {"none", "full"}, "schedule": {"1F1B", "interleaved"}}
+MEGATRON_2021 = {"cp": {1}}  # its ZeRO stages, recomputation and schedules: in the search itself (framework_offers)
 TORCHTITAN = "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370), Table {}"
 LLAMA3_SOURCE = "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783), section 3.3.2 and Table 4"
 _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reason of every run it names
@@ -980,13 +1092,16 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
         f"{NARAYANAN}, section 5.2 and Table 2"),
     r"megatron21 ": Reason(
-        "Megatron-LM of 2021 had no context parallel, ZeRO, selective recomputation or ZB-H1 (splits t, p, d)",
-        f"{NARAYANAN}, sections 2-3 (PTD-P: tensor, pipeline and data parallel; full recomputation)",
+        "Megatron's rules: TP up to the 8 GPUs of a node, then the smallest t x p that fits, at full recomputation",
+        f"{NARAYANAN}, section 3.3 (Takeaways #1 and #2) and section 3.5 (activation recomputation)",
         MEGATRON_2021),
+    r"mt-nlg ": Reason(
+        "Megatron's rules: 8-way tensor slicing in a node, a 35-way pipeline (280 GPUs a replica), full recomputation",
+        "Smith et al. 2022 (arXiv 2201.11990), section 2.2; Narayanan et al. 2021, section 3.3 (Takeaways #1, #2)"),
     r"korthikanti22 ": Reason(
         "one model-parallel replica (data parallel 1) to measure sequence parallel; no context parallel or ZeRO yet",
         "Korthikanti et al. 2022 (arXiv 2205.05198), section 6 and Table 3",
-        {"cp": {1}, "zero_stage": {1}, "schedule": {"1F1B", "interleaved"}}),
+        {"cp": {1}}),
     r"llama3 405B 16384 cp16": Reason(
         "the long-context stage kept the 8K runs' TP 8 x PP 16 and added CP 16 to fit 131K tokens",
         LLAMA3_SOURCE, {"tp": {8}, "pp": {16}}),

@@ -179,8 +179,8 @@ def pieces_in_flight(config, num_micro_batches, stage=0):
 
 def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
-    full recomputation, plus one layer recomputed in full during its backward; on the last rank, one micro-batch's
-    fp32 logits."""
+    full recomputation, plus one layer recomputed in full during its backward; on the first rank, the embedding's
+    dropout masks (embedding_dropout_bytes)."""
     kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
     piece = 0.0
     for kind, layers in kinds:
@@ -188,7 +188,20 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
         kept += recomputed_layer_bytes(model, config, stage)
-    return kept
+    return kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
+
+
+def embedding_dropout_bytes(model, config, num_micro_batches, stage=0):
+    """The first rank's dropout masks of the embedding's output, one byte per element of s b h for every micro-batch
+    whose first piece is in flight: Korthikanti et al. 2022 (section 4.3) count this s b h p / t beside the layers'
+    (whole on every tensor-parallel rank without sequence parallel). It sits outside the layers, so recomputing them
+    keeps it. Interleaved, the first piece holds at most 2 p micro-batches (min(2 p, m): utils.pipeline's
+    interleaved_order runs forwards p at a time per piece, backwards from the last piece; a test counts it)."""
+    if stage != 0 or not model.dropout:
+        return 0.0
+    first = pieces_in_flight(config, num_micro_batches) if config.v == 1 else min(2 * config.pp, num_micro_batches)
+    whole = 1 if config.sequence_parallel else config.tp
+    return model.seq_len / config.cp * config.micro_batch_size * model.dim * whole / config.tp * first
 
 
 def recomputed_layer_bytes(model, config, stage):
