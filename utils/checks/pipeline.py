@@ -562,6 +562,99 @@ def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers,
                    num_micro_batches, seed, timeout)
 
 
+# ---------------------------------------------------------------- the order, shown by the values
+
+class _Chain:
+    """A rank's running state, read and advanced by every forward and backward of its layers: each scales its
+    result by 1 + state, and the state becomes a quarter of that result's sum over its absolute sum. Each value
+    then depends on what the rank computed before it, in order (a forward that runs before a backward in one order
+    and after it in another gets another scale), and on that computation's values: no count that code can set.
+    Smooth in the values, so that an answer whose additions round differently stays within TOLERANCE."""
+
+    def __init__(self):
+        self.state = 0.0
+
+    def advance(self, t):
+        t = t * (1 + self.state)
+        self.state = 0.25 * (t.sum() / t.abs().sum()).item()
+        return t
+
+
+class _Chained(torch.autograd.Function):
+    """The identity on a layer's output, scaled by the rank's chain in forward, and its gradient in backward (B and
+    W each go through it, so each advances the chain)."""
+
+    @staticmethod
+    def forward(ctx, y, chain):
+        ctx.chain = chain
+        return chain.advance(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.chain.advance(grad), None
+
+
+def chain_layers(pieces):
+    """Every layer of a rank's pieces (a Stage, or a ModuleList of them) chained to one new _Chain."""
+    chain = _Chain()
+    for piece in pieces if isinstance(pieces, torch.nn.ModuleList) else [pieces]:
+        for layer in piece.layers:
+            layer.register_forward_hook(lambda module, args, y: _Chained.apply(y, chain))
+
+
+def _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual=None, split=False):
+    """This rank's weights' gradients after one step of `schedule` with its layers chained (recorded as the step
+    of any run, which a forger edits in vain)."""
+    hidden_dim, num_layers, seed = sizes["hidden_dim"], sizes["num_layers"], sizes["seed"]
+    pieces = (pp.build_stage(rank, world_size, hidden_dim, num_layers, seed) if num_virtual is None
+              else pp.build_pieces(rank, world_size, num_virtual, hidden_dim, num_layers, seed))
+    chain_layers(pieces)
+    with pp.record_step(pieces, split=split):
+        schedule(pieces, make_batch(sizes["batch_size"], hidden_dim, seed, 0), m)
+    return [None if p.grad is None else p.grad.detach().clone() for p in pieces.parameters()]
+
+
+def chained_reference(tables, num_virtual, split, sizes, m):
+    """Each rank's weights' gradients after one step whose ranks ran `tables` (one per rank, (kind, chunk,
+    micro-batch)) with their layers chained: one process plays every rank, each with its own chain, in an order
+    that respects the hand-offs (pp.play's)."""
+    p, v, last = len(tables), num_virtual, len(tables) * num_virtual - 1
+    ranks = [pp.build_pieces(r, p, v, sizes["hidden_dim"], sizes["num_layers"], sizes["seed"]) for r in range(p)]
+    for pieces in ranks:
+        chain_layers(pieces)
+    micro_batches = make_batch(sizes["batch_size"], sizes["hidden_dim"], sizes["seed"], 0).chunk(m)
+    timelines, _ = pp.play(tables, v)
+    sent, alive = {}, {}  # (kind, piece, micro-batch): the output (F) or the input's gradient (B) handed on
+    for *_, r, kind, chunk, i in sorted((end, r, *a[:3]) for r, t in enumerate(timelines) for *a, _, end in t):
+        j, piece = r + chunk * p, ranks[r][chunk]
+        if kind == "F":
+            x = micro_batches[i] if j == 0 else sent["F", j - 1, i].detach().requires_grad_()
+            sent["F", j, i] = y = piece(x)
+            alive[j, i] = x, (loss_fn(y) / m if j == last else y)
+            continue
+        x, y = alive[j, i]
+        grad = None if j == last else sent["B", j + 1, i]
+        if kind == "W":
+            torch.autograd.backward(y, grad, inputs=list(piece.parameters()))
+        elif split:
+            sent["B", j, i] = torch.autograd.grad(y, x, grad, retain_graph=True)[0] if x.requires_grad else None
+        else:
+            y.backward(grad)
+            sent["B", j, i] = x.grad
+    return [[g.grad for g in pieces.parameters()] for pieces in ranks]
+
+
+def _check_chained(where, got, want, schedule):
+    """After every check of the records: a rank whose chained gradients are not the table's ran its forwards and
+    backwards in another order, whatever its record says."""
+    diff = max(max_abs_diff(g, w) if g is not None else float("inf") for g, w in zip(got, want))
+    if diff > TOLERANCE:
+        raise AssertionError(f"{where}: with every layer scaled by a running state of its rank (each forward and "
+                             f"backward reads and advances it), the weights' gradients differ from {schedule}'s "
+                             f"order's by {diff:.3g}: the gradients show the forwards and backwards ran in another "
+                             f"order than {schedule}'s; is the record of the order edited?")
+
+
 # ---------------------------------------------------------------- notebook 11: the backward in two halves
 
 SPLIT_PIECES = 3  # check_backward_split cuts the model into 3 pieces: the first, a middle and the last
