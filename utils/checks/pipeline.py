@@ -309,8 +309,9 @@ class Comparison:
 
 
 def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
-    """{(m, optimizer): Comparison} on this stage. Each step's messages are checked here, as soon as the
-    step ends: a stage that skipped one leaves its neighbour waiting for ever, so it must say so first."""
+    """{(m, optimizer): Comparison} on this stage, and {m: the weights' gradients of one step with its layers
+    chained} (GPipe and 1F1B). Each step's messages are checked here, as soon as the step ends: a stage that skipped
+    one leaves its neighbour waiting for ever, so it must say so first."""
     runs = {}
     layers = pp.stage_layers(sizes["num_layers"], world_size)[rank]
     for m, optimizer in itertools.product(counts, OPTIMIZERS):
@@ -326,7 +327,8 @@ def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
             theirs = pytorch_reference.train_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
                                                       optimizer=optimizer, **sizes)
         runs[m, optimizer] = Comparison(ours, theirs)
-    return runs
+    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes) for m in counts if kind != "naive"}
+    return runs, chained
 
 
 @dataclasses.dataclass
@@ -535,12 +537,18 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
                   for o in OPTIMIZERS}
     first_runs = None
     for n in worlds:
-        runs = _spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
+        runs, chained = zip(*_spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout))
         first_runs = first_runs or runs
         for m, optimizer, (stage, layers) in itertools.product(counts, OPTIMIZERS,
                                                                 enumerate(pp.stage_layers(num_layers, n))):
             where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, optimizer)
             _check_stage(where, runs[stage][m, optimizer], references[optimizer], sizes)
+        for m in chained[0]:  # the order, shown by the values: after every check of the records
+            order = pp.chunked({"gpipe": pp.gpipe_order, "1f1b": pp.one_f_one_b_order}[kind])
+            want = chained_reference([order(r, n, 1, m) for r in range(n)], 1, False, sizes, m)
+            for stage, layers in enumerate(pp.stage_layers(num_layers, n)):
+                where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, "sgd")
+                _check_chained(where, chained[stage][m], want[stage], {"gpipe": "GPipe", "1f1b": "1F1B"}[kind])
     _print_verdict(kind, worlds, counts, num_layers, num_steps, first_runs)
 
 
@@ -1159,7 +1167,9 @@ def _train_past_1f1b(rank, world_size, schedule, kind, num_virtual, counts, size
         run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
         runs[m] = run
-    return runs
+    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual if pieces else None, split)
+               for m in counts}
+    return runs, chained
 
 
 def _check_scaled(where, got, want):
@@ -1254,8 +1264,16 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
                                f"once the receiver takes the message, and the receiver may be waiting for this rank: "
                                f"send with dist.isend (keep the handles, wait at the end of the step); and check that "
                                f"every message the table implies is sent and received.\n{e}") from None
+        runs, chained = zip(*runs)
         for m, rank in itertools.product(counts[n], range(n)):
             _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), runs[rank][m], reference, sizes)
+        for m in counts[n]:  # the order, shown by the values: after every check of the records
+            tables = [pp.interleaved_order(r, n, v, m) if pieces else pp.chunked(pp.zb_h1_order)(r, n, v, m)
+                      for r in range(n)]
+            want = chained_reference(tables, v, PAST_1F1B[kind][3], sizes, m)
+            for rank in range(n):
+                _check_chained(WherePieces(label, kind, rank, n, v, m, pieces), chained[rank][m], want[rank],
+                               {"interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}[kind])
         peaks[n] = {m: [runs[r][m].peak_alive for r in range(n)] for m in counts[n]}
         sent[n] = {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts[n]}
     n = worlds[0]
