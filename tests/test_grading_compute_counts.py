@@ -353,7 +353,7 @@ def region(notebook, function):
     from utils.notebooks import ROOT
     cells = json.loads((ROOT / "solutions" / f"{notebook}.ipynb").read_text())["cells"]
     source = next("".join(c["source"]) for c in cells if f"def {function}(" in "".join(c["source"]))
-    return source.split("### BEGIN SOLUTION\n")[1].rsplit("\n", 1)[0].rsplit("\n", 1)[0] + "\n"
+    return source.split("### BEGIN SOLUTION\n")[1].split("### END SOLUTION")[0].rsplit("\n", 1)[0] + "\n"
 
 
 def forged_schedules():
@@ -404,4 +404,44 @@ def test_the_forger_would_pass_on_its_records_alone(forger, monkeypatch, capsys)
     import utils.checks.pipeline as checks
     monkeypatch.setattr(checks, "_check_chained", lambda *args: None)
     run_forged(forger)
+    assert ": correct on" in capsys.readouterr().out
+
+
+HONEST_SCHEDULES = {  # way: (notebook, check, function, {solution text: the same schedule written another way}, args)
+    "1F1B driven by pp.one_f_one_b_order": (
+        "04_pipeline_parallel", "check_one_f_one_b_step", "one_f_one_b_step", {ONE_F_ONE_B_LOOP: """\
+    for kind, i in pp.one_f_one_b_order(stage.rank, stage.world_size, num_micro_batches):
+        if kind == "F":
+            forward(micro_batches[i])
+        else:
+            backward()
+    for handle in sends:
+        handle.wait()
+"""}, (4, 16, 6, 8, 2, 4)),
+    "GPipe in two explicit loops, its loss a float": (
+        "04_pipeline_parallel", "check_gpipe_step", "gpipe_step", {GPIPE_BODY: """\
+    xs, ys = [], []
+    for micro_batch in batch.chunk(num_micro_batches):
+        x, y = forward_step(stage, micro_batch, num_micro_batches)
+        xs, ys = xs + [x], ys + [y]
+    for x, y in zip(xs, ys):
+        backward_step(stage, x, y)
+    return sum(y.item() for y in ys) if stage.is_last else None
+"""}, (4, 16, 6, 8, 2, 4)),
+    "ZB-H1 with its loss added up in another order (other roundings)": (
+        "11_pipeline_schedules", "check_zb_h1_step", "zb_h1_step", {
+            "            y = stage(x)\n            if stage.is_last:\n                y = loss_fn(y) / num_micro_batches\n":
+            "            y = stage(x)\n            if stage.is_last:\n"
+            "                y = y.square().sum(dim=0).sum() / y.numel() / num_micro_batches\n"},
+        (4, 16, 8, 8, 2, 4)),
+}
+
+
+@pytest.mark.slow  # 2 to 10 s each on a loaded machine
+@pytest.mark.parametrize("way", HONEST_SCHEDULES)
+def test_an_honest_schedule_written_another_way_still_passes(way, capsys):
+    """The same order computed by other code: the chained run's values are the table's (to TOLERANCE)."""
+    import utils.checks.pipeline as checks
+    notebook, check, function, replace, args = HONEST_SCHEDULES[way]
+    getattr(checks, check)(getattr(solution(notebook, replace=replace), function), *args)
     assert ": correct on" in capsys.readouterr().out
