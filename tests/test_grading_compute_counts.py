@@ -8,6 +8,10 @@ input recomputes, which is the exercise.
 - 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
   backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
   one and one written another way, still pass.
+- 04's and 11's schedules: the order of forwards and backwards is now shown by values (one more step with every
+  layer chained to a running state of its rank, which each forward and backward reads and advances: the gradients
+  depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
+  gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
