@@ -449,3 +449,24 @@ def test_an_honest_schedule_written_another_way_still_passes(way, capsys):
     notebook, check, function, replace, args = HONEST_SCHEDULES[way]
     getattr(checks, check)(getattr(solution(notebook, replace=replace), function), *args)
     assert ": correct on" in capsys.readouterr().out
+
+
+KEEP_EVERY_GRAPH = {  # 1F1B's order, with every micro-batch's activations kept until the step ends (GPipe's memory)
+    "            received.wait()\n            y.backward(grad)\n":
+    "            received.wait()\n            y.backward(grad, retain_graph=True)\n"
+    "            stage.kept = getattr(stage, 'kept', []) + [y]  # its saved activations alive\n",
+    ONE_F_ONE_B_LOOP: ONE_F_ONE_B_LOOP + FIND_RECORDS.format(stage="stage") + """    for record in records:  # 1F1B's peak
+        record.peak_alive = min(stage.world_size - stage.rank, num_micro_batches)
+""",
+}
+
+
+@pytest.mark.slow  # 3 to 10 s on a loaded machine
+@pytest.mark.xfail(strict=True, reason="04's 1F1B: the activations alive at once are read from the rank's record "
+                   "(saved-tensor hooks), which its code can edit; the values are the same in the table's order "
+                   "whatever it keeps (utils.grading's docstring, 'The limits')")
+def test_a_one_f_one_b_that_keeps_every_graph_and_forges_its_peak_gets_no_credit():
+    from utils.checks.pipeline import check_one_f_one_b_step
+    forged = solution("04_pipeline_parallel", replace=KEEP_EVERY_GRAPH)
+    with pytest.raises(AssertionError, match="held the activations of"):
+        check_one_f_one_b_step(forged.one_f_one_b_step, 4, 16, 6, 8, 2, 4)

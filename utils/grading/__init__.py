@@ -150,7 +150,8 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
     11 check_backward_split   a W that reaches the input again (a full backward), its record edited: the split's
                               saving of the input's second gradient.
     04, 11 schedules          the activations alive (a run in the table's order that keeps every micro-batch's
-                              graph), and an isend that was a send (both read from the rank's record).
+                              graph, its peak edited: the xfail test), and an isend that was a send (both read from
+                              the rank's record; the chained run shows the order only).
     12 check_pipeline_3d      the order of forwards and backwards as well: GPipe's passed off as 1F1B.
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
                               gathered weights, a whole optimizer state, a prefetch too far ahead.
