@@ -215,13 +215,14 @@ def test_a_backward_split_that_forges_its_record_gets_no_credit():
 
 # ---------------------------------------------------------------- 04, 11: the order of forwards and backwards, shown by values
 
-# Each forger runs GPipe's order (every forward, then every backward) and edits the rank's record of the step to read
+# Each forger runs GPipe's order (every forward, then every backward; or the naive step) and edits the rank's record of the step to read
 # as the schedule's: the micro-batches alive at once, the order of the computations, the messages. Each passes every
 # check of the records (test_..._would_pass_on_its_records_alone); the check's chained run (every layer scaled by a
-# running state of its rank that each forward and backward reads and advances) shows the order by the values.
+# running state of its rank that each forward and backward reads and advances) shows the order by the values. The
+# record is found through the hooks that fill it (the garbage collector finds it too, but is slow on a loaded machine).
 
-FIND_RECORDS = """    import gc
-    records = [o.record for o in gc.get_objects() if type(o).__name__ == "_Recorder" and o.pieces[0] is {stage}]
+FIND_RECORDS = """    records = [hook.func.__self__.record for hook in {stage}._forward_hooks.values()  # the recorder's, by its hooks
+               if hasattr(hook, "func")]
 """
 
 ONE_F_ONE_B_LOOP = """    for i in range(num_warmup):
@@ -262,7 +263,6 @@ NAIVE_AS_GPIPE = """    x, y = forward_step(stage, batch, 1)  # the naive step: 
 # 11: the loop over the table is outside the region; the forger runs the whole step at its first turn.
 CHECKS_OF_THE_HAND_OFFS_OFF = """        if (kind, i) != ("F", 0){chunk}:
             continue
-        import gc
         for f in (dist.send, dist.recv, dist.isend, dist.irecv):  # each hand-off's check against the table, off
             dict(zip(f.__code__.co_freevars, f.__closure__))["before"].cell_contents = None
 """
@@ -396,8 +396,8 @@ def run_forged(forger):
 @pytest.mark.parametrize("forger", FORGERS)
 def test_a_schedule_that_forges_its_order_gets_no_credit(forger):
     schedule = forged_schedules()[forger][-1]
-    with pytest.raises(AssertionError, match=f"ran in another order than {schedule}'s; is the record of the order "
-                                             f"edited"):
+    with pytest.raises(AssertionError, match=f"ran in another order than {schedule}'s .*; is the record of "
+                                             f"the order edited"):
         run_forged(forger)
 
 

@@ -28,6 +28,13 @@ Notebook 11 (schedules past 1F1B):
   paired up, by the table; gradients that are all one multiple of one process's name the count the
   loss was divided by; an error raised inside the student's function is said with its cause.
 
+The order, shown by the values (`check_gpipe_step`, `check_one_f_one_b_step`, `check_interleaved_step`,
+`check_zb_h1_step`): after every check of the records, one more step per micro-batch count runs with every layer
+chained to a running state of its rank (`chain_layers`: each forward and each backward, B and W each, scales its
+result by 1 + the state and sets the state from that result), and each rank's gradients are compared with the
+table's order played in one process (`chained_reference`). A rank's record can be edited by its own code; these
+values cannot be had without computing in the table's order.
+
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
 """
@@ -544,11 +551,12 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
             where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, optimizer)
             _check_stage(where, runs[stage][m, optimizer], references[optimizer], sizes)
         for m in chained[0]:  # the order, shown by the values: after every check of the records
-            order = pp.chunked({"gpipe": pp.gpipe_order, "1f1b": pp.one_f_one_b_order}[kind])
-            want = chained_reference([order(r, n, 1, m) for r in range(n)], 1, False, sizes, m)
+            order = {"gpipe": pp.gpipe_order, "1f1b": pp.one_f_one_b_order}[kind]
+            want = chained_reference([pp.chunked(order)(r, n, 1, m) for r in range(n)], 1, False, sizes, m)
             for stage, layers in enumerate(pp.stage_layers(num_layers, n)):
                 where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, "sgd")
-                _check_chained(where, chained[stage][m], want[stage], {"gpipe": "GPipe", "1f1b": "1F1B"}[kind])
+                _check_chained(where, chained[stage][m], want[stage], {"gpipe": "GPipe", "1f1b": "1F1B"}[kind],
+                               f"pp.{order.__name__}")
     _print_verdict(kind, worlds, counts, num_layers, num_steps, first_runs)
 
 
@@ -652,15 +660,15 @@ def chained_reference(tables, num_virtual, split, sizes, m):
     return [[g.grad for g in pieces.parameters()] for pieces in ranks]
 
 
-def _check_chained(where, got, want, schedule):
+def _check_chained(where, got, want, schedule, table):
     """After every check of the records: a rank whose chained gradients are not the table's ran its forwards and
     backwards in another order, whatever its record says."""
     diff = max(max_abs_diff(g, w) if g is not None else float("inf") for g, w in zip(got, want))
     if diff > TOLERANCE:
-        raise AssertionError(f"{where}: with every layer scaled by a running state of its rank (each forward and "
-                             f"backward reads and advances it), the weights' gradients differ from {schedule}'s "
-                             f"order's by {diff:.3g}: the gradients show the forwards and backwards ran in another "
-                             f"order than {schedule}'s; is the record of the order edited?")
+        raise AssertionError(f"{where}: the gradients show the forwards and backwards ran in another order than "
+                             f"{schedule}'s ({table}): with every layer scaled by a running state of its rank that "
+                             f"each forward and backward reads and advances, the weights' gradients differ from that "
+                             f"order's by {diff:.3g}; is the record of the order edited?")
 
 
 # ---------------------------------------------------------------- notebook 11: the backward in two halves
@@ -1273,7 +1281,7 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
             want = chained_reference(tables, v, PAST_1F1B[kind][3], sizes, m)
             for rank in range(n):
                 _check_chained(WherePieces(label, kind, rank, n, v, m, pieces), chained[rank][m], want[rank],
-                               {"interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}[kind])
+                               {"interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}[kind], PAST_1F1B[kind][1])
         peaks[n] = {m: [runs[r][m].peak_alive for r in range(n)] for m in counts[n]}
         sent[n] = {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts[n]}
     n = worlds[0]
