@@ -33,7 +33,8 @@ The order, shown by the values (`check_gpipe_step`, `check_one_f_one_b_step`, `c
 chained to a running state of its rank (`chain_layers`: each forward and each backward, B and W each, scales its
 result by 1 + the state and sets the state from that result), and each rank's gradients are compared with the
 table's order played in one process (`chained_reference`). A rank's record can be edited by its own code; these
-values cannot be had without computing in the table's order.
+values cannot be had without computing in the table's order (a rank that replays every rank's share itself, the
+model and data being deterministic, is the gap of forged messages: utils.grading's docstring, "The limits").
 
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.

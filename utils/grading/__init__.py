@@ -119,7 +119,10 @@ of its process. Two measures are out of its reach, and two more were tried:
   (or the naive step) with its record edited to read as 1F1B, GPipe, ZB-H1 or interleaved gets no credit; the
   same order written another way, or rounding otherwise, passes (tests/test_grading_compute_counts.py). The state
   is the rank's, and code can set it; but what to set it to is a value of the computation the table runs before,
-  which needs that computation, and the hand-offs it waits for, to have run first: the table's order.
+  which needs that computation, and the hand-offs it waits for, to have run first: the table's order. What is left
+  is the gap of forged messages: a rank can compute every rank's share itself (the model and the data are
+  deterministic, and chained_reference is in utils/), send nothing and forge its calls; the wire counts fewer
+  segments then, not more, which it does not catch.
 - Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
