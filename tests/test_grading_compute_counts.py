@@ -213,16 +213,17 @@ def test_a_backward_split_that_forges_its_record_gets_no_credit():
         check_backward_split(forged.backward_input, forged.backward_weight, 8, 4, 8, 2)
 
 
-# ---------------------------------------------------------------- 04, 11: the order of forwards and backwards, shown by values
+# ---------------------------------------------------------------- 04, 11: the schedules' order, shown by values
 
-# Each forger runs GPipe's order (every forward, then every backward; or the naive step) and edits the rank's record of the step to read
-# as the schedule's: the micro-batches alive at once, the order of the computations, the messages. Each passes every
-# check of the records (test_..._would_pass_on_its_records_alone); the check's chained run (every layer scaled by a
-# running state of its rank that each forward and backward reads and advances) shows the order by the values. The
-# record is found through the hooks that fill it (the garbage collector finds it too, but is slow on a loaded machine).
+# Each forger runs GPipe's order (every forward, then every backward; or the naive step) and edits the rank's record
+# of the step to read as the schedule's: the micro-batches alive at once, the order of the computations, the
+# messages. Each passes every check of the records (test_..._would_pass_on_its_records_alone); the check's chained
+# run (every layer scaled by a running state of its rank that each forward and backward reads and advances) shows
+# the order by the values. The record is found through the hooks that fill it (the garbage collector finds it too,
+# but is slow on a loaded machine).
 
-FIND_RECORDS = """    records = [hook.func.__self__.record for hook in {stage}._forward_hooks.values()  # the recorder's, by its hooks
-               if hasattr(hook, "func")]
+FIND_RECORDS = """    hooks = {stage}._forward_hooks.values()  # the recorder's, among them
+    records = [hook.func.__self__.record for hook in hooks if hasattr(hook, "func")]
 """
 
 ONE_F_ONE_B_LOOP = """    for i in range(num_warmup):
@@ -245,14 +246,14 @@ GPIPE_AS_ONE_F_ONE_B = """    for micro_batch in micro_batches:  # GPipe's order
         record.peak_alive = min(stage.world_size - stage.rank, num_micro_batches)
 """
 
-GPIPE_BODY = """    alive = [forward_step(stage, micro_batch, num_micro_batches) for micro_batch in batch.chunk(num_micro_batches)]
-    for x, y in alive:
+GPIPE_BODY = ("    alive = [forward_step(stage, micro_batch, num_micro_batches) for micro_batch in "
+              "batch.chunk(num_micro_batches)]\n") + """    for x, y in alive:
         backward_step(stage, x, y)
     return sum(y.detach() for _, y in alive) if stage.is_last else None
 """
 NAIVE_AS_GPIPE = """    x, y = forward_step(stage, batch, 1)  # the naive step: the whole batch as one micro-batch
     backward_step(stage, x, y)
-""" + FIND_RECORDS.format(stage="stage") + """    for record in records:  # m micro-batches alive, m messages of a micro-batch each way
+""" + FIND_RECORDS.format(stage="stage") + """    for record in records:  # m alive, m messages each way
         if not getattr(record, "forged", False):
             record.forged, record.peak_alive = True, num_micro_batches
             record.calls[:] = [dataclasses.replace(c, nbytes=c.nbytes // num_micro_batches)
@@ -380,8 +381,8 @@ def forged_schedules():
     }
 
 
-FORGERS = ["GPipe's order passed off as 1F1B", "the naive step passed off as GPipe", "GPipe's order passed off as ZB-H1",
-           "GPipe's order passed off as interleaved 1F1B"]
+FORGERS = ["GPipe's order passed off as 1F1B", "the naive step passed off as GPipe",
+           "GPipe's order passed off as ZB-H1", "GPipe's order passed off as interleaved 1F1B"]
 
 
 def run_forged(forger):
@@ -434,7 +435,8 @@ HONEST_SCHEDULES = {  # way: (notebook, check, function, {solution text: the sam
 """}, (4, 16, 6, 8, 2, 4)),
     "ZB-H1 with its loss as loss_fn(3 y) / 9 (other roundings)": (
         "11_pipeline_schedules", "check_zb_h1_step", "zb_h1_step", {
-            "            y = stage(x)\n            if stage.is_last:\n                y = loss_fn(y) / num_micro_batches\n":
+            "            y = stage(x)\n            if stage.is_last:\n"
+            "                y = loss_fn(y) / num_micro_batches\n":
             "            y = stage(x)\n            if stage.is_last:\n"
             "                y = loss_fn(3 * y) / 9 / num_micro_batches\n"},
         (4, 16, 8, 8, 2, 4)),
@@ -455,7 +457,8 @@ KEEP_EVERY_GRAPH = {  # 1F1B's order, with every micro-batch's activations kept 
     "            received.wait()\n            y.backward(grad)\n":
     "            received.wait()\n            y.backward(grad, retain_graph=True)\n"
     "            stage.kept = getattr(stage, 'kept', []) + [y]  # its saved activations alive\n",
-    ONE_F_ONE_B_LOOP: ONE_F_ONE_B_LOOP + FIND_RECORDS.format(stage="stage") + """    for record in records:  # 1F1B's peak
+    ONE_F_ONE_B_LOOP: ONE_F_ONE_B_LOOP + FIND_RECORDS.format(stage="stage") + """    for record in records:
+        # 1F1B's peak
         record.peak_alive = min(stage.world_size - stage.rank, num_micro_batches)
 """,
 }

@@ -335,7 +335,9 @@ def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
             theirs = pytorch_reference.train_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
                                                       optimizer=optimizer, **sizes)
         runs[m, optimizer] = Comparison(ours, theirs)
-    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes) for m in counts if kind != "naive"}
+    # one micro-batch: every schedule is one forward and one backward
+    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes)
+               for m in counts if kind != "naive" and m > 1}
     return runs, chained
 
 
@@ -1177,7 +1179,7 @@ def _train_past_1f1b(rank, world_size, schedule, kind, num_virtual, counts, size
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
         runs[m] = run
     chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual if pieces else None, split)
-               for m in counts}
+               for m in counts if m > 1}  # one micro-batch: one order, ZB-H1's as 1F1B's
     return runs, chained
 
 
@@ -1276,7 +1278,7 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
         runs, chained = zip(*runs)
         for m, rank in itertools.product(counts[n], range(n)):
             _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), runs[rank][m], reference, sizes)
-        for m in counts[n]:  # the order, shown by the values: after every check of the records
+        for m in chained[0]:  # the order, shown by the values: after every check of the records
             tables = [pp.interleaved_order(r, n, v, m) if pieces else pp.chunked(pp.zb_h1_order)(r, n, v, m)
                       for r in range(n)]
             want = chained_reference(tables, v, PAST_1F1B[kind][3], sizes, m)
