@@ -8,6 +8,10 @@ input recomputes, which is the exercise.
 - 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
   backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
   one and one written another way, still pass.
+- 04's and 11's schedules: the order of forwards and backwards is now shown by values (one more step with every
+  layer chained to a running state of its rank, which each forward and backward reads and advances: the gradients
+  depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
+  gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
@@ -207,3 +211,265 @@ def test_a_backward_split_that_forges_its_record_gets_no_credit():
     forged = solution("11_pipeline_schedules", replace={W: FORGED_SPLIT})
     with pytest.raises(AssertionError, match="backward calls, as autograd saw them"):
         check_backward_split(forged.backward_input, forged.backward_weight, 8, 4, 8, 2)
+
+
+# ---------------------------------------------------------------- 04, 11: the schedules' order, shown by values
+
+# Each forger runs GPipe's order (every forward, then every backward; or the naive step) and edits the rank's record
+# of the step to read as the schedule's: the micro-batches alive at once, the order of the computations, the
+# messages. Each passes every check of the records (test_..._would_pass_on_its_records_alone); the check's chained
+# run (every layer scaled by a running state of its rank that each forward and backward reads and advances) shows
+# the order by the values. The record is found through the hooks that fill it (the garbage collector finds it too,
+# but is slow on a loaded machine).
+
+FIND_RECORDS = """    hooks = {stage}._forward_hooks.values()  # the recorder's, among them
+    records = [hook.func.__self__.record for hook in hooks if hasattr(hook, "func")]
+"""
+
+ONE_F_ONE_B_LOOP = """    for i in range(num_warmup):
+        forward(micro_batches[i])
+    for i in range(num_warmup, num_micro_batches):
+        forward(micro_batches[i])
+        backward()
+    for _ in range(num_warmup):
+        backward()
+    for handle in sends:
+        handle.wait()
+"""
+GPIPE_AS_ONE_F_ONE_B = """    for micro_batch in micro_batches:  # GPipe's order
+        forward(micro_batch)
+    for _ in micro_batches:
+        backward()
+    for handle in sends:
+        handle.wait()
+""" + FIND_RECORDS.format(stage="stage") + """    for record in records:  # 1F1B's peak
+        record.peak_alive = min(stage.world_size - stage.rank, num_micro_batches)
+"""
+
+GPIPE_BODY = ("    alive = [forward_step(stage, micro_batch, num_micro_batches) for micro_batch in "
+              "batch.chunk(num_micro_batches)]\n") + """    for x, y in alive:
+        backward_step(stage, x, y)
+    return sum(y.detach() for _, y in alive) if stage.is_last else None
+"""
+NAIVE_AS_GPIPE = """    x, y = forward_step(stage, batch, 1)  # the naive step: the whole batch as one micro-batch
+    backward_step(stage, x, y)
+""" + FIND_RECORDS.format(stage="stage") + """    for record in records:  # m alive, m messages each way
+        if not getattr(record, "forged", False):
+            record.forged, record.peak_alive = True, num_micro_batches
+            record.calls[:] = [dataclasses.replace(c, nbytes=c.nbytes // num_micro_batches)
+                               for c in record.calls for _ in range(num_micro_batches)]
+    return y.detach() if stage.is_last else None
+"""
+
+# 11: the loop over the table is outside the region; the forger runs the whole step at its first turn.
+CHECKS_OF_THE_HAND_OFFS_OFF = """        if (kind, i) != ("F", 0){chunk}:
+            continue
+        for f in (dist.send, dist.recv, dist.isend, dist.irecv):  # each hand-off's check against the table, off
+            dict(zip(f.__code__.co_freevars, f.__closure__))["before"].cell_contents = None
+"""
+RELABELLED = """    for record in records:  # the computations relabelled in the table's order, at most min(p, m) alive
+        table = [a for a in {table} if not (a[0] == "B" and {first})]
+        events = sorted(record.events, key=lambda e: e.start)
+        record.events[:] = [e._replace(kind=a[0], piece=a[-2] if len(a) == 3 else 0, micro_batch=a[-1])
+                            for e, a in zip(events, table)]
+        record.peak_alive = min(record.peak_alive, {p})
+"""
+ZB_H1_BODY_START = "        if kind == \"F\":\n            if stage.is_first:"
+ZB_H1_REGION_END = """        else:
+            _, y, grad = alive.pop(i)
+            backward_weight(stage, y, grad)
+"""
+GPIPE_AS_ZB_H1 = CHECKS_OF_THE_HAND_OFFS_OFF.format(chunk="") + """        ins, outs = [], []
+        for j, micro_batch in enumerate(micro_batches):  # GPipe's order: every forward, then every B with its W
+            if stage.is_first:
+                x = micro_batch
+            else:
+                x = torch.empty_like(micro_batch)
+                dist.recv(x, src=stage.rank - 1)
+                x.requires_grad_()
+            y = stage(x)
+            if stage.is_last:
+                y = loss_fn(y) / num_micro_batches
+            else:
+                sends.append(dist.isend(y.detach(), dst=stage.rank + 1))
+            ins, outs = ins + [x], outs + [y]
+        for x, y in zip(ins, outs):
+            grad = None
+            if stage.is_last:
+                loss = loss + y.detach()
+            else:
+                grad = torch.empty_like(y)
+                dist.recv(grad, src=stage.rank + 1)
+            dx = backward_input(x, y, grad)
+            if not stage.is_first:
+                sends.append(dist.isend(dx, dst=stage.rank - 1))
+            backward_weight(stage, y, grad)
+        for handle in sends:
+            handle.wait()
+        sends = []
+""" + "\n".join("    " + line if line else line for line in (FIND_RECORDS.format(stage="stage") + RELABELLED.format(
+    table="pp.zb_h1_order(stage.rank, stage.world_size, num_micro_batches)", first="stage.is_first",
+    p="stage.world_size")).split("\n"))
+
+INTERLEAVED_REGION_START = "        if kind == \"F\":\n            if piece.is_first:"
+INTERLEAVED_REGION_END = """        if not piece.is_first:
+            sends.append(dist.isend(x.grad, dst=(rank - 1) % p))
+"""
+GPIPE_AS_INTERLEAVED = CHECKS_OF_THE_HAND_OFFS_OFF.format(chunk=" or chunk") + """        v = len(pieces)
+        for kind, chunk, i in [("F", c, j) for c in range(v) for j in range(num_micro_batches)] + [
+                ("B", c, j) for c in reversed(range(v)) for j in range(num_micro_batches)]:  # GPipe's order
+            piece = pieces[chunk]
+            if kind == "F":
+                if piece.is_first:
+                    x = micro_batches[i]
+                else:
+                    x = torch.empty_like(micro_batches[i])
+                    dist.recv(x, src=(rank - 1) % p)
+                    x.requires_grad_()
+                y = piece(x)
+                if piece.is_last:
+                    y = loss_fn(y) / num_micro_batches
+                else:
+                    sends.append(dist.isend(y.detach(), dst=(rank + 1) % p))
+                alive[chunk, i] = (x, y)
+                continue
+            x, y = alive.pop((chunk, i))
+            if piece.is_last:
+                y.backward()
+                loss = loss + y.detach()
+            else:
+                grad = torch.empty_like(y)
+                dist.recv(grad, src=(rank + 1) % p)
+                y.backward(grad)
+            if not piece.is_first:
+                sends.append(dist.isend(x.grad, dst=(rank - 1) % p))
+        for handle in sends:
+            handle.wait()
+        sends = []
+""" + "\n".join("    " + line if line else line for line in (FIND_RECORDS.format(stage="pieces[0]") + RELABELLED.format(
+    table="pp.interleaved_order(rank, p, len(pieces), num_micro_batches)", first="False", p="num_micro_batches"))
+    .split("\n"))
+
+
+def region(notebook, function):
+    """The solution's region of `function`'s cell (what a submission's answer replaces)."""
+    import json
+
+    from utils.notebooks import ROOT
+    cells = json.loads((ROOT / "solutions" / f"{notebook}.ipynb").read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells if f"def {function}(" in "".join(c["source"]))
+    return source.split("### BEGIN SOLUTION\n")[1].split("### END SOLUTION")[0].rsplit("\n", 1)[0] + "\n"
+
+
+def forged_schedules():
+    """{forger: (notebook, its check's name, the function's name, {solution text: forged text}, the check's arguments,
+    the schedule the hint names)}"""
+    return {
+        "GPipe's order passed off as 1F1B": (
+            "04_pipeline_parallel", "check_one_f_one_b_step", "one_f_one_b_step",
+            {ONE_F_ONE_B_LOOP: GPIPE_AS_ONE_F_ONE_B}, (4, 16, 6, 8, 2, 4), "1F1B"),
+        "the naive step passed off as GPipe": (
+            "04_pipeline_parallel", "check_gpipe_step", "gpipe_step", {GPIPE_BODY: NAIVE_AS_GPIPE},
+            (4, 16, 6, 8, 2, 4), "GPipe"),
+        "GPipe's order passed off as ZB-H1": (
+            "11_pipeline_schedules", "check_zb_h1_step", "zb_h1_step",
+            {region("11_pipeline_schedules", "zb_h1_step"): GPIPE_AS_ZB_H1}, (4, 16, 8, 8, 2, 4), "ZB-H1"),
+        "GPipe's order passed off as interleaved 1F1B": (
+            "11_pipeline_schedules", "check_interleaved_step", "interleaved_step",
+            {region("11_pipeline_schedules", "interleaved_step"): GPIPE_AS_INTERLEAVED}, (4, 16, 8, 8, 2, 4, 2),
+            "interleaved 1F1B"),
+    }
+
+
+FORGERS = ["GPipe's order passed off as 1F1B", "the naive step passed off as GPipe",
+           "GPipe's order passed off as ZB-H1", "GPipe's order passed off as interleaved 1F1B"]
+
+
+def run_forged(forger):
+    import utils.checks.pipeline as checks
+    notebook, check, function, replace, args, schedule = forged_schedules()[forger]
+    forged = solution(notebook, replace=replace)
+    getattr(checks, check)(getattr(forged, function), *args)
+    return schedule
+
+
+@pytest.mark.slow  # 2 to 4 s each on a loaded machine
+@pytest.mark.parametrize("forger", FORGERS)
+def test_a_schedule_that_forges_its_order_gets_no_credit(forger):
+    schedule = forged_schedules()[forger][-1]
+    with pytest.raises(AssertionError, match=f"ran in another order than {schedule}'s .*; is the record of "
+                                             f"the order edited"):
+        run_forged(forger)
+
+
+@pytest.mark.slow  # 2 to 4 s each on a loaded machine
+@pytest.mark.parametrize("forger", FORGERS)
+def test_the_forger_would_pass_on_its_records_alone(forger, monkeypatch, capsys):
+    """Each forger above forges its records well enough: without the chained run's values, it gets credit."""
+    import utils.checks.pipeline as checks
+    monkeypatch.setattr(checks, "_check_chained", lambda *args: None)
+    run_forged(forger)
+    assert ": correct on" in capsys.readouterr().out
+
+
+HONEST_SCHEDULES = {  # way: (notebook, check, function, {solution text: the same schedule written another way}, args)
+    "1F1B driven by pp.one_f_one_b_order": (
+        "04_pipeline_parallel", "check_one_f_one_b_step", "one_f_one_b_step", {ONE_F_ONE_B_LOOP: """\
+    for kind, i in pp.one_f_one_b_order(stage.rank, stage.world_size, num_micro_batches):
+        if kind == "F":
+            forward(micro_batches[i])
+        else:
+            backward()
+    for handle in sends:
+        handle.wait()
+"""}, (4, 16, 6, 8, 2, 4)),
+    "GPipe in two explicit loops, its loss a float": (
+        "04_pipeline_parallel", "check_gpipe_step", "gpipe_step", {GPIPE_BODY: """\
+    xs, ys = [], []
+    for micro_batch in batch.chunk(num_micro_batches):
+        x, y = forward_step(stage, micro_batch, num_micro_batches)
+        xs, ys = xs + [x], ys + [y]
+    for x, y in zip(xs, ys):
+        backward_step(stage, x, y)
+    return sum(y.item() for y in ys) if stage.is_last else None
+"""}, (4, 16, 6, 8, 2, 4)),
+    "ZB-H1 with its loss as loss_fn(3 y) / 9 (other roundings)": (
+        "11_pipeline_schedules", "check_zb_h1_step", "zb_h1_step", {
+            "            y = stage(x)\n            if stage.is_last:\n"
+            "                y = loss_fn(y) / num_micro_batches\n":
+            "            y = stage(x)\n            if stage.is_last:\n"
+            "                y = loss_fn(3 * y) / 9 / num_micro_batches\n"},
+        (4, 16, 8, 8, 2, 4)),
+}
+
+
+@pytest.mark.slow  # 2 to 10 s each on a loaded machine
+@pytest.mark.parametrize("way", HONEST_SCHEDULES)
+def test_an_honest_schedule_written_another_way_still_passes(way, capsys):
+    """The same order computed by other code: the chained run's values are the table's (to TOLERANCE)."""
+    import utils.checks.pipeline as checks
+    notebook, check, function, replace, args = HONEST_SCHEDULES[way]
+    getattr(checks, check)(getattr(solution(notebook, replace=replace), function), *args)
+    assert ": correct on" in capsys.readouterr().out
+
+
+KEEP_EVERY_GRAPH = {  # 1F1B's order, with every micro-batch's activations kept until the step ends (GPipe's memory)
+    "            received.wait()\n            y.backward(grad)\n":
+    "            received.wait()\n            y.backward(grad, retain_graph=True)\n"
+    "            stage.kept = getattr(stage, 'kept', []) + [y]  # its saved activations alive\n",
+    ONE_F_ONE_B_LOOP: ONE_F_ONE_B_LOOP + FIND_RECORDS.format(stage="stage") + """    for record in records:
+        # 1F1B's peak
+        record.peak_alive = min(stage.world_size - stage.rank, num_micro_batches)
+""",
+}
+
+
+@pytest.mark.slow  # 3 to 10 s on a loaded machine
+@pytest.mark.xfail(strict=True, reason="04's 1F1B: the activations alive at once are read from the rank's record "
+                   "(saved-tensor hooks), which its code can edit; the values are the same in the table's order "
+                   "whatever it keeps (utils.grading's docstring, 'The limits')")
+def test_a_one_f_one_b_that_keeps_every_graph_and_forges_its_peak_gets_no_credit():
+    from utils.checks.pipeline import check_one_f_one_b_step
+    forged = solution("04_pipeline_parallel", replace=KEEP_EVERY_GRAPH)
+    with pytest.raises(AssertionError, match="held the activations of"):
+        check_one_f_one_b_step(forged.one_f_one_b_step, 4, 16, 6, 8, 2, 4)

@@ -28,6 +28,14 @@ Notebook 11 (schedules past 1F1B):
   paired up, by the table; gradients that are all one multiple of one process's name the count the
   loss was divided by; an error raised inside the student's function is said with its cause.
 
+The order, shown by the values (`check_gpipe_step`, `check_one_f_one_b_step`, `check_interleaved_step`,
+`check_zb_h1_step`): after every check of the records, one more step per micro-batch count runs with every layer
+chained to a running state of its rank (`chain_layers`: each forward and each backward, B and W each, scales its
+result by 1 + the state and sets the state from that result), and each rank's gradients are compared with the
+table's order played in one process (`chained_reference`). A rank's record can be edited by its own code; these
+values cannot be had without computing in the table's order (a rank that replays every rank's share itself, the
+model and data being deterministic, is the gap of forged messages: utils.grading's docstring, "The limits").
+
 A mistake found on one rank raises there, so the check names it before a neighbour waiting for a
 message that never comes runs into the timeout.
 """
@@ -309,8 +317,9 @@ class Comparison:
 
 
 def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
-    """{(m, optimizer): Comparison} on this stage. Each step's messages are checked here, as soon as the
-    step ends: a stage that skipped one leaves its neighbour waiting for ever, so it must say so first."""
+    """{(m, optimizer): Comparison} on this stage, and {m: the weights' gradients of one step with its layers
+    chained} (GPipe and 1F1B). Each step's messages are checked here, as soon as the step ends: a stage that skipped
+    one leaves its neighbour waiting for ever, so it must say so first."""
     runs = {}
     layers = pp.stage_layers(sizes["num_layers"], world_size)[rank]
     for m, optimizer in itertools.product(counts, OPTIMIZERS):
@@ -326,7 +335,10 @@ def _schedule_main(rank, world_size, schedule, kind, counts, sizes):
             theirs = pytorch_reference.train_pipeline(rank, world_size, pytorch_name, num_micro_batches=m,
                                                       optimizer=optimizer, **sizes)
         runs[m, optimizer] = Comparison(ours, theirs)
-    return runs
+    # one micro-batch: every schedule is one forward and one backward
+    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes)
+               for m in counts if kind != "naive" and m > 1}
+    return runs, chained
 
 
 @dataclasses.dataclass
@@ -535,12 +547,19 @@ def check_schedule(kind, schedule, world_size, hidden_dim, num_layers, batch_siz
                   for o in OPTIMIZERS}
     first_runs = None
     for n in worlds:
-        runs = _spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout)
+        runs, chained = zip(*_spawn(_schedule_main, n, schedule, kind, counts, sizes, timeout=timeout))
         first_runs = first_runs or runs
         for m, optimizer, (stage, layers) in itertools.product(counts, OPTIMIZERS,
                                                                 enumerate(pp.stage_layers(num_layers, n))):
             where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, optimizer)
             _check_stage(where, runs[stage][m, optimizer], references[optimizer], sizes)
+        for m in chained[0]:  # the order, shown by the values: after every check of the records
+            order = {"gpipe": pp.gpipe_order, "1f1b": pp.one_f_one_b_order}[kind]
+            want = chained_reference([pp.chunked(order)(r, n, 1, m) for r in range(n)], 1, False, sizes, m)
+            for stage, layers in enumerate(pp.stage_layers(num_layers, n)):
+                where = Where(SCHEDULES[kind][0], kind, stage, n, layers, m, "sgd")
+                _check_chained(where, chained[stage][m], want[stage], {"gpipe": "GPipe", "1f1b": "1F1B"}[kind],
+                               f"pp.{order.__name__}")
     _print_verdict(kind, worlds, counts, num_layers, num_steps, first_runs)
 
 
@@ -560,6 +579,99 @@ def check_one_f_one_b_step(one_f_one_b_step, world_size, hidden_dim, num_layers,
                            num_micro_batches, seed=0, timeout=CHECK_TIMEOUT):
     check_schedule("1f1b", one_f_one_b_step, world_size, hidden_dim, num_layers, batch_size, num_steps,
                    num_micro_batches, seed, timeout)
+
+
+# ---------------------------------------------------------------- the order, shown by the values
+
+class _Chain:
+    """A rank's running state, read and advanced by every forward and backward of its layers: each scales its
+    result by 1 + state, and the state becomes a quarter of that result's sum over its absolute sum. Each value
+    then depends on what the rank computed before it, in order (a forward that runs before a backward in one order
+    and after it in another gets another scale), and on that computation's values: no count that code can set.
+    Smooth in the values, so that an answer whose additions round differently stays within TOLERANCE."""
+
+    def __init__(self):
+        self.state = 0.0
+
+    def advance(self, t):
+        t = t * (1 + self.state)
+        self.state = 0.25 * (t.sum() / t.abs().sum()).item()
+        return t
+
+
+class _Chained(torch.autograd.Function):
+    """The identity on a layer's output, scaled by the rank's chain in forward, and its gradient in backward (B and
+    W each go through it, so each advances the chain)."""
+
+    @staticmethod
+    def forward(ctx, y, chain):
+        ctx.chain = chain
+        return chain.advance(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.chain.advance(grad), None
+
+
+def chain_layers(pieces):
+    """Every layer of a rank's pieces (a Stage, or a ModuleList of them) chained to one new _Chain."""
+    chain = _Chain()
+    for piece in pieces if isinstance(pieces, torch.nn.ModuleList) else [pieces]:
+        for layer in piece.layers:
+            layer.register_forward_hook(lambda module, args, y: _Chained.apply(y, chain))
+
+
+def _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual=None, split=False):
+    """This rank's weights' gradients after one step of `schedule` with its layers chained (recorded as the step
+    of any run, which a forger edits in vain)."""
+    hidden_dim, num_layers, seed = sizes["hidden_dim"], sizes["num_layers"], sizes["seed"]
+    pieces = (pp.build_stage(rank, world_size, hidden_dim, num_layers, seed) if num_virtual is None
+              else pp.build_pieces(rank, world_size, num_virtual, hidden_dim, num_layers, seed))
+    chain_layers(pieces)
+    with pp.record_step(pieces, split=split):
+        schedule(pieces, make_batch(sizes["batch_size"], hidden_dim, seed, 0), m)
+    return [None if p.grad is None else p.grad.detach().clone() for p in pieces.parameters()]
+
+
+def chained_reference(tables, num_virtual, split, sizes, m):
+    """Each rank's weights' gradients after one step whose ranks ran `tables` (one per rank, (kind, chunk,
+    micro-batch)) with their layers chained: one process plays every rank, each with its own chain, in an order
+    that respects the hand-offs (pp.play's)."""
+    p, v, last = len(tables), num_virtual, len(tables) * num_virtual - 1
+    ranks = [pp.build_pieces(r, p, v, sizes["hidden_dim"], sizes["num_layers"], sizes["seed"]) for r in range(p)]
+    for pieces in ranks:
+        chain_layers(pieces)
+    micro_batches = make_batch(sizes["batch_size"], sizes["hidden_dim"], sizes["seed"], 0).chunk(m)
+    timelines, _ = pp.play(tables, v)
+    sent, alive = {}, {}  # (kind, piece, micro-batch): the output (F) or the input's gradient (B) handed on
+    for *_, r, kind, chunk, i in sorted((end, r, *a[:3]) for r, t in enumerate(timelines) for *a, _, end in t):
+        j, piece = r + chunk * p, ranks[r][chunk]
+        if kind == "F":
+            x = micro_batches[i] if j == 0 else sent["F", j - 1, i].detach().requires_grad_()
+            sent["F", j, i] = y = piece(x)
+            alive[j, i] = x, (loss_fn(y) / m if j == last else y)
+            continue
+        x, y = alive[j, i]
+        grad = None if j == last else sent["B", j + 1, i]
+        if kind == "W":
+            torch.autograd.backward(y, grad, inputs=list(piece.parameters()))
+        elif split:
+            sent["B", j, i] = torch.autograd.grad(y, x, grad, retain_graph=True)[0] if x.requires_grad else None
+        else:
+            y.backward(grad)
+            sent["B", j, i] = x.grad
+    return [[g.grad for g in pieces.parameters()] for pieces in ranks]
+
+
+def _check_chained(where, got, want, schedule, table):
+    """After every check of the records: a rank whose chained gradients are not the table's ran its forwards and
+    backwards in another order, whatever its record says."""
+    diff = max(max_abs_diff(g, w) if g is not None else float("inf") for g, w in zip(got, want))
+    if diff > TOLERANCE:
+        raise AssertionError(f"{where}: the gradients show the forwards and backwards ran in another order than "
+                             f"{schedule}'s ({table}): with every layer scaled by a running state of its rank that "
+                             f"each forward and backward reads and advances, the weights' gradients differ from that "
+                             f"order's by {diff:.3g}; is the record of the order edited?")
 
 
 # ---------------------------------------------------------------- notebook 11: the backward in two halves
@@ -1066,7 +1178,9 @@ def _train_past_1f1b(rank, world_size, schedule, kind, num_virtual, counts, size
         run = pp.train_pipeline(rank, world_size, watched, num_micro_batches=m, after_step=after_step,
                                 num_virtual=num_virtual if pieces else None, split=split, **sizes)
         runs[m] = run
-    return runs
+    chained = {m: _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual if pieces else None, split)
+               for m in counts if m > 1}  # one micro-batch: one order, ZB-H1's as 1F1B's
+    return runs, chained
 
 
 def _check_scaled(where, got, want):
@@ -1161,8 +1275,16 @@ def check_past_1f1b(kind, schedule, world_size, hidden_dim, num_layers, batch_si
                                f"once the receiver takes the message, and the receiver may be waiting for this rank: "
                                f"send with dist.isend (keep the handles, wait at the end of the step); and check that "
                                f"every message the table implies is sent and received.\n{e}") from None
+        runs, chained = zip(*runs)
         for m, rank in itertools.product(counts[n], range(n)):
             _check_pieces_run(WherePieces(label, kind, rank, n, v, m, pieces), runs[rank][m], reference, sizes)
+        for m in chained[0]:  # the order, shown by the values: after every check of the records
+            tables = [pp.interleaved_order(r, n, v, m) if pieces else pp.chunked(pp.zb_h1_order)(r, n, v, m)
+                      for r in range(n)]
+            want = chained_reference(tables, v, PAST_1F1B[kind][3], sizes, m)
+            for rank in range(n):
+                _check_chained(WherePieces(label, kind, rank, n, v, m, pieces), chained[rank][m], want[rank],
+                               {"interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}[kind], PAST_1F1B[kind][1])
         peaks[n] = {m: [runs[r][m].peak_alive for r in range(n)] for m in counts[n]}
         sent[n] = {m: sum(hand_offs_per_step(r, n, v, m) for r in range(n)) for m in counts[n]}
     n = worlds[0]
