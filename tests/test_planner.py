@@ -423,10 +423,12 @@ def test_context_parallel_is_searched_only_with_blockwise_attention():
 
 def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
     """The search without its shortcuts: every valid config estimated alone (estimate: its own memory, no pruning),
-    with step.py's caches bypassed (their functions called through __wrapped__); those that fit, fastest first."""
-    from utils.planner import step
+    with step.py's caches bypassed (their functions called through __wrapped__) and memory.py's of a layer's
+    activations; those that fit, fastest first."""
+    from utils.planner import memory, step
     for name in ("_layer_terms", "_optimizer_seconds", "_slowest_stage", "_flops_per_token"):
         monkeypatch.setattr(step, name, getattr(step, name).__wrapped__)
+    monkeypatch.setattr(memory, "layer_activation_bytes", memory._layer_activation_bytes)
     rows = [pl.estimate(model, cluster, global_batch, c) for c in pl.configs(model, cluster, global_batch, **choices)]
     return sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"], r["memory_gb"]))
 
