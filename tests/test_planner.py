@@ -449,7 +449,7 @@ def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, d
     assert all(r[k] == v for r in searched for k, v in (settings or {}).items())
 
 
-@pytest.mark.slow  # two searches of 1.3-1.7 s of one core each (more on a loaded machine)
+@pytest.mark.slow  # two searches of 1.5-1.7 s of one core each (more on a loaded machine)
 def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     import time
 
