@@ -73,15 +73,16 @@ class LayerTimes:
     elementwise: float
     flops: float
 
-    @property
+    # cached: the search reads them for every config of a split (the fields are frozen, so they cannot go stale)
+    @functools.cached_property
     def forward(self):
         return self.matmul + self.attention + self.elementwise
 
-    @property
+    @functools.cached_property
     def input_grad(self):
         return self.matmul + 2 * self.attention + 2 * self.elementwise
 
-    @property
+    @functools.cached_property
     def weight_grad(self):
         return self.matmul
 

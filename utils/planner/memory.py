@@ -131,7 +131,23 @@ def layer_activation_bytes(model, config, recompute=None):
     top_k routed experts' and its shared experts'.
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
-    s b h (10 + 24 / t + 5 a s / h t) (Table 2)."""
+    s b h (10 + 24 / t + 5 a s / h t) (Table 2).
+    Computed once per model and the config's fields it reads (_ACTIVATION_FIELDS; the entry holds the model, so
+    that its id stays its own): the search asks again for every pipeline rank, data degree and ZeRO stage."""
+    key = (id(model), _ACTIVATION_FIELDS(config), recompute)
+    if key not in _ACTIVATIONS:
+        if len(_ACTIVATIONS) >= 8192:
+            _ACTIVATIONS.clear()
+        _ACTIVATIONS[key] = (model, _layer_activation_bytes(model, config, recompute))
+    return _ACTIVATIONS[key][1]
+
+
+_ACTIVATIONS = {}  # (id(model), _ACTIVATION_FIELDS, recompute): (model, bytes)
+_ACTIVATION_FIELDS = operator.attrgetter("tp", "cp", "micro_batch_size", "recompute", "sequence_parallel",
+                                         "distribute_saved_activations")  # all that layer_activation_bytes reads
+
+
+def _layer_activation_bytes(model, config, recompute=None):
     s, b, h, t, e = model.seq_len / config.cp, config.micro_batch_size, model.dim, config.tp, model.activation_bytes
     whole = 1 if config.sequence_parallel else t  # the part sequence parallel splits is divided by t / whole
     recompute = recompute or config.recompute
