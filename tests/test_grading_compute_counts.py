@@ -8,10 +8,11 @@ input recomputes, which is the exercise.
 - 06's recompute: that backward recomputes is now shown by values (every weight doubled between forward and
   backward: only a recomputation meets the doubled weights), so the forgers get no credit; honest answers, a slow
   one and one written another way, still pass.
-- 05's FSDP: that backward gathers the weights again is now shown by values (every shard doubled between step 0's
-  forward and backward: only a backward that gathers again meets the doubled weights), so an FSDP that keeps the
-  weights gathered in forward (a copy, or the gathered weights with the records edited) gets no credit; honest
-  answers written another way still pass. That forward freed them is still shown by the bytes held only.
+- 05's FSDP and 07's reshard_after_forward: that backward gathers the weights again is now shown by values (every
+  shard doubled between step 0's forward and backward: only a backward that gathers again meets the doubled
+  weights), so one that keeps the weights gathered in forward (a copy, or the gathered weights with the records
+  edited) gets no credit; honest answers written another way still pass. That forward freed them is still shown by
+  the bytes held only.
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
@@ -279,3 +280,19 @@ def test_an_fsdp_that_keeps_its_gathered_weights_is_still_named_by_its_memory_fi
     kept = solution("05_fsdp", replace={FREE_IN_FORWARD: "        ctx.gather = gather\n        out = x @ weight.T\n"})
     with pytest.raises(AssertionError, match="up to [2-9] gathered units were alive at once in step 0's forward"):
         check_fsdp(kept.FSDPLinear, kept.all_gather_unit, *FSDP_SIZES)
+
+
+# 07: reshard_after_forward, a copy of each gathered weight saved for backward, the shard gathered again in vain so
+# that the counts read right (the bytes held never saw the copy: it is no all-gather's output). It passed before.
+FORGED_RESHARD = {
+    "    return source, t.size(), t.stride(), t.storage_offset()\n": "    return t.clone(), source\n",
+    "    (shard, rows), size, stride, offset = kept\n"
+    "    return all_gather_rows(shard, rows).as_strided(size, stride, offset)\n":
+    "    copy, (shard, rows) = kept\n    all_gather_rows(shard, rows)  # in vain: for the count\n    return copy\n"}
+
+
+def test_a_reshard_that_keeps_a_copy_of_the_gathered_weights_gets_no_credit():  # 1 s
+    from utils.checks.simple_fsdp import check_reshard
+    forged = solution("07_simple_fsdp", replace=FORGED_RESHARD)
+    with pytest.raises(AssertionError, match="backward used the weights gathered in forward: they were kept"):
+        check_reshard(forged.data_parallel, forged.reshard_after_forward, *FSDP_SIZES)

@@ -85,11 +85,11 @@ For each: the count, the wrong answers it exists to catch, and whether the value
     05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
        12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
                               gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
-                              Values: the same; so 05's check_fsdp also doubles every shard between step 0's forward
-                              and backward (in place, unseen by autograd), where a backward that gathers the weights
-                              again meets the new ones and one that kept the forward's (or a copy) the old: the
-                              inputs' gradients, and through them the earlier layers' weight gradients, show whether
-                              backward gathered again (not whether forward freed).
+                              Values: the same; so 05's check_fsdp and 07's check_reshard also double every shard
+                              between step 0's forward and backward (in place, unseen by autograd), where a backward
+                              that gathers the weights again meets the new ones and one that kept the forward's (or
+                              a copy) the old: the inputs' gradients, and through them the earlier layers' weight
+                              gradients, show whether backward gathered again (not whether forward freed).
     09 check_sequence_parallel   bytes the norms save per rank (1/N of tensor parallel's): the norms run on the
                               gathered sequence. Values: the same.
 
@@ -108,9 +108,10 @@ of its process. Two measures are out of its reach, and two more were tried:
 - Values that show the method. 06's recompute doubles every weight between forward and backward: only a backward
   that recomputes meets the doubled weights, so a plain forward with forged counts gets the gradients wrong
   (tests/test_grading_compute_counts.py: the counters patched, their records edited through the garbage
-  collector; an honest recompute, a slow one, one written another way, still pass). 05's FSDP likewise doubles
-  every shard between forward and backward: an FSDP that kept the weights gathered in forward, a copy of them or
-  the gathered weights with the bytes held and the calls edited, gets the gradients wrong (the same test file).
+  collector; an honest recompute, a slow one, one written another way, still pass). 05's FSDP and 07's
+  reshard_after_forward likewise double every shard between forward and backward: one that kept the weights
+  gathered in forward, a copy of them or the gathered weights with the bytes held and the calls edited, gets the
+  gradients wrong (the same test file).
 - Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
@@ -143,9 +144,10 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
     04, 11, 12 schedules      the order of forwards and backwards, the activations alive: GPipe's order passed off
                               as 1F1B or ZB-H1.
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
-                              gathered weights (05's check_fsdp: only if it also gathers them again in backward and
-                              uses those, or watches its shard for the check's doubling), a whole optimizer state, a
-                              prefetch too far ahead. 06, 07 and 12's FSDP do not double their shards yet.
+                              gathered weights (05's check_fsdp, 07's check_reshard: only if it also gathers them
+                              again in backward and uses those, or watches its shard for the check's doubling), a
+                              whole optimizer state, a prefetch too far ahead. 06's and 12's FSDP checks and 07's
+                              check_units do not double their shards yet.
 
 Three checks once called the student's code in the checking process itself (an autograd Function run in one
 process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
