@@ -146,8 +146,9 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
                               gathered weights (05's check_fsdp, 07's check_reshard: only if it also gathers them
                               again in backward and uses those, or watches its shard for the check's doubling), a
-                              whole optimizer state, a prefetch too far ahead. 06's and 12's FSDP checks and 07's
-                              check_units do not double their shards yet.
+                              whole optimizer state, a prefetch too far ahead. 06's check_mixed_precision_fsdp and
+                              07's check_units do not double their shards yet (12's gathering and freeing are the
+                              library's, nd.FlatShards: no student code to show).
 
 Three checks once called the student's code in the checking process itself (an autograd Function run in one
 process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
