@@ -12,6 +12,11 @@ input recomputes, which is the exercise.
   layer chained to a running state of its rank, which each forward and backward reads and advances: the gradients
   depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
   gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
+- 05's FSDP and 07's reshard_after_forward: that backward gathers the weights again is now shown by values (every
+  shard doubled between step 0's forward and backward: only a backward that gathers again meets the doubled
+  weights), so one that keeps the weights gathered in forward (a copy, or the gathered weights with the records
+  edited) gets no credit; honest answers written another way still pass. That forward freed them is still shown by
+  the bytes held only.
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
@@ -473,3 +478,85 @@ def test_a_one_f_one_b_that_keeps_every_graph_and_forges_its_peak_gets_no_credit
     forged = solution("04_pipeline_parallel", replace=KEEP_EVERY_GRAPH)
     with pytest.raises(AssertionError, match="held the activations of"):
         check_one_f_one_b_step(forged.one_f_one_b_step, 4, 16, 6, 8, 2, 4)
+# ---------------------------------------------------------------- 05: FSDP's gather again in backward, now values
+
+FSDP_SIZES = (2, 8, 3, 4, 2)  # world size, hidden dim, 3 layers (input gradients feed the earlier layers'), batch, steps
+FREE_IN_FORWARD = "        ctx.gather = gather\n        out = x @ weight.T\n        fsdp.free(weight)\n"
+GATHER_IN_BACKWARD = "        weight = ctx.gather(\"backward\")\n        grad_x = grad_output @ weight\n        fsdp.free(weight)\n"
+FIND_TRACKERS = ("        import gc\n"
+                 "        for tracker in [o for o in gc.get_objects() if type(o).__name__ == \"MemoryTracker\"]:\n")
+FORGED_FSDP = {
+    # no forging needed before: a copy is no all-gather's output, so the bytes held never saw it, and the
+    # backward's gather (used for nothing) makes the count right
+    "a copy of the gathered weight kept, the backward's gather unused": {
+        FREE_IN_FORWARD: "        ctx.gather, ctx.kept = gather, weight.clone()\n        out = x @ weight.T\n"
+                         "        fsdp.free(weight)\n",
+        GATHER_IN_BACKWARD: "        fsdp.free(ctx.gather(\"backward\"))\n        grad_x = grad_output @ ctx.kept\n"},
+    # the gathered weight kept and never gathered again: the record of bytes held and the calls log edited
+    "the records edited through the garbage collector": {
+        "        weight = gather(\"forward\")\n": FIND_TRACKERS + "            tracker.gathered.clear()  # the earlier "
+                                                 "units' weights, held\n        weight = gather(\"forward\")\n",
+        FREE_IN_FORWARD: "        ctx.gather, ctx.weight = gather, weight\n        out = x @ weight.T\n",
+        GATHER_IN_BACKWARD: "        weight = ctx.weight\n        grad_x = grad_output @ weight\n" + FIND_TRACKERS
+                            + "            tracker.calls.append(next(c for c in reversed(tracker.calls) "
+                              "if c.name.startswith(\"all_gather\")))\n"},
+}
+FSDP_FORGERS = [pytest.param(way, marks=pytest.mark.slow) if "garbage" in way else way for way in FORGED_FSDP]
+
+
+@pytest.mark.parametrize("forger", FSDP_FORGERS)  # 1 s; the garbage collector's, 3 to 9 s: slow
+def test_an_fsdp_that_keeps_its_gathered_weights_gets_no_credit(forger):
+    """Both passed before the shards were doubled between forward and backward (they computed the right values)."""
+    from utils.checks.fsdp import check_fsdp
+    forged = solution("05_fsdp", replace=FORGED_FSDP[forger])
+    with pytest.raises(AssertionError, match="computed with the weights gathered in forward: the gathered weights "
+                                             "were kept, not freed"):
+        check_fsdp(forged.FSDPLinear, forged.all_gather_unit, *FSDP_SIZES)
+
+
+HONEST_FSDP = {
+    "gathered into a list of pieces (dist.all_gather), put together": {
+        "    full = torch.empty(world_size * shard.numel(), dtype=shard.dtype)\n"
+        "    dist.all_gather_single(full, shard)\n    return fsdp.unpad(full, shape)":
+        "    pieces = [torch.empty_like(shard) for _ in range(world_size)]\n    dist.all_gather(pieces, shard)\n"
+        "    return fsdp.unpad(torch.cat(pieces), shape)"},
+    "the gather kept on ctx under another name, the weight freed through its storage": {
+        FREE_IN_FORWARD: "        ctx.regather = gather\n        out = x @ weight.T\n"
+                         "        weight.untyped_storage().resize_(0)\n",
+        "        weight = ctx.gather(\"backward\")\n": "        weight = ctx.regather(\"backward\")\n"},
+}
+
+
+@pytest.mark.slow  # 1 s each; the solution itself passes in test_checks_fsdp and in notebook 05's run
+@pytest.mark.parametrize("way", HONEST_FSDP)
+def test_an_honest_fsdp_written_another_way_still_passes(way, capsys):
+    from utils.checks.fsdp import check_fsdp
+    honest = solution("05_fsdp", replace=HONEST_FSDP[way])
+    check_fsdp(honest.FSDPLinear, honest.all_gather_unit, *FSDP_SIZES)
+    assert "naive FSDP: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 0.4 s; the default run has the same case: test_checks_fsdp.py's FSDP_LINEAR, the first
+def test_an_fsdp_that_keeps_its_gathered_weights_is_still_named_by_its_memory_first():
+    """Without forging, the weights kept after forward are named by the gathered units alive, as before (the
+    notebook's hints unchanged): the doubled shards are checked after the counts and the bytes held."""
+    from utils.checks.fsdp import check_fsdp
+    kept = solution("05_fsdp", replace={FREE_IN_FORWARD: "        ctx.gather = gather\n        out = x @ weight.T\n"})
+    with pytest.raises(AssertionError, match="up to [2-9] gathered units were alive at once in step 0's forward"):
+        check_fsdp(kept.FSDPLinear, kept.all_gather_unit, *FSDP_SIZES)
+
+
+# 07: reshard_after_forward, a copy of each gathered weight saved for backward, the shard gathered again in vain so
+# that the counts read right (the bytes held never saw the copy: it is no all-gather's output). It passed before.
+FORGED_RESHARD = {
+    "    return source, t.size(), t.stride(), t.storage_offset()\n": "    return t.clone(), source\n",
+    "    (shard, rows), size, stride, offset = kept\n"
+    "    return all_gather_rows(shard, rows).as_strided(size, stride, offset)\n":
+    "    copy, (shard, rows) = kept\n    all_gather_rows(shard, rows)  # in vain: for the count\n    return copy\n"}
+
+
+def test_a_reshard_that_keeps_a_copy_of_the_gathered_weights_gets_no_credit():  # 1 s
+    from utils.checks.simple_fsdp import check_reshard
+    forged = solution("07_simple_fsdp", replace=FORGED_RESHARD)
+    with pytest.raises(AssertionError, match="backward used the weights gathered in forward: they were kept"):
+        check_reshard(forged.data_parallel, forged.reshard_after_forward, *FSDP_SIZES)

@@ -337,12 +337,14 @@ class Student:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One training run: which version, on which model; `cap`: FSDP prefetches through the Prefetcher."""
+    """One training run: which version, on which model; `cap`: FSDP prefetches through the Prefetcher; `doubled`:
+    every tensor the optimizer steps is doubled between step 0's forward and its backward (see doubled_between)."""
 
     version: str
     model: str = "mlp"
     cap: int = None
     dtype: torch.dtype = torch.float64
+    doubled: bool = False
 
 
 @dataclasses.dataclass
@@ -433,7 +435,8 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
         if job.version not in PYTORCH:
             used.check()  # before backward: ZeRO-2's and FSDP's reduce-scatters start in it
         built.timeline.enter(phase="backward", unit=None)
-        loss.backward()
+        with doubled_between(built.optimized, job.doubled and built.timeline().step == 0):
+            loss.backward()
         return loss
 
     def after_backward():  # what the rank holds between backward and the optimizer step
@@ -452,6 +455,24 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
     calls = [c for c in tracker.calls if c.started_at.step == track_step]
     return Run(weights, first_grads, losses, tracker.peak, tracker.units_by_phase, after.get("state"),
                after.get("whole"), calls, list(built.uses))
+
+
+@contextlib.contextmanager
+def doubled_between(tensors, doubled=True):
+    """Each tensor doubled in place for the block's duration, then halved back (powers of two: exact), out of
+    autograd's sight. Around a backward: an FSDP that gathers its weights again in backward meets the doubled
+    shards and computes the inputs' gradients with them; one that kept the weights gathered in forward does not."""
+    if doubled:
+        with torch.no_grad():
+            for t in tensors:
+                t.data.mul_(2)  # .data: no version bump, so autograd's saved tensors do not refuse it
+    try:
+        yield
+    finally:
+        if doubled:
+            with torch.no_grad():
+                for t in tensors:
+                    t.data.mul_(0.5)
 
 
 def _grads(tensors):

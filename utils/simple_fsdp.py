@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from utils import pytorch_reference
-from utils.fsdp import ADAMW
+from utils.fsdp import ADAMW, doubled_between
 from utils.intercept import intercept
 from utils.memory import SettledMemoryTracker
 from utils.model import (
@@ -339,10 +339,12 @@ class Run:
     storage: dict = dataclasses.field(default_factory=dict)  # {parameter name: bytes of the storage it keeps alive}
 
 
-def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None, dtype=torch.float64, track=True):
+def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None, dtype=torch.float64, track=True,
+               doubled=False):
     """Train utils.model's `model` made data parallel by the notebook's `data_parallel(model, mode)` for
-    sizes.num_steps AdamW steps; each forward inside `reshard()` if given; under a memory tracker if `track`.
-    Returns a Run."""
+    sizes.num_steps AdamW steps; each forward inside `reshard()` if given; under a memory tracker if `track`;
+    with `doubled`, every parameter this rank holds doubled between step 0's forward and backward
+    (utils.fsdp.doubled_between). Returns a Run."""
     net = data_parallel(build_model(model, sizes.hidden_dim, sizes.num_layers, sizes.seed, dtype), mode)
     optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
     now = {"step": 0, "phase": "forward"}
@@ -358,7 +360,8 @@ def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None
                 with reshard() if reshard is not None else contextlib.nullcontext():
                     loss = loss_fn(net(batch))
                 now["phase"] = "backward"
-                loss.backward()
+                with doubled_between(list(net.parameters()), doubled and step == 0):
+                    loss.backward()
             if step == 0:
                 first_grads = {original_name(n): p.grad.clone() for n, p in net.named_parameters()
                                if p.grad is not None}
@@ -372,9 +375,9 @@ def train_main(rank, world_size, data_parallel, model, mode, sizes, reshard=None
 
 
 def runs_main(rank, world_size, data_parallel, jobs, sizes, reshard=None, track=False):
-    """train_main for each (model, mode, reshard?) in `jobs`, in order: the worker the checks spawn."""
+    """train_main for each (model, mode, reshard?[, doubled?]) in `jobs`, in order: the worker the checks spawn."""
     return [train_main(rank, world_size, data_parallel, model, mode, sizes, reshard if resharded else None,
-                       track=track) for model, mode, resharded in jobs]
+                       track=track, doubled=any(doubled)) for model, mode, resharded, *doubled in jobs]
 
 
 def notebook_05_peak(rank, world_size, job, student, sizes):

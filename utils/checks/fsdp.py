@@ -80,6 +80,16 @@ def first_gradients(model, sizes, rank=None, world_size=1):
     return [p.grad for p in net.parameters() if p.requires_grad]
 
 
+def doubled_gradients(sizes):
+    """Step 0's gradients of the whole batch when every weight is doubled between forward and backward
+    (fsdp.doubled_between): what an FSDP that gathers again in backward computes under Job(doubled=True)."""
+    net = _build_single("mlp", sizes)
+    loss = loss_fn(net(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)))
+    with fsdp.doubled_between(list(net.parameters())):
+        loss.backward()
+    return [p.grad for p in net.parameters()]
+
+
 def final_weights(model, sizes):
     net = _build_single(model, sizes)
     train_steps(net, torch.optim.AdamW(net.parameters(), **fsdp.ADAMW), sizes.hidden_dim, sizes.batch_size,
@@ -92,6 +102,34 @@ def _tolerance(t, model):
 
 
 # ---------------------------------------------------------------- one property each
+
+def _verify_gathered_again(label, runs, sizes, where):
+    """Step 0 run with every shard doubled between forward and backward (Job(doubled=True)): a backward that
+    gathers the weights again meets the doubled ones, so the inputs' gradients, and through them the earlier
+    layers' weight gradients, are those of the doubled weights. One that kept the weights gathered in forward
+    computes the plain step's. Values, where the bytes held and the calls counted, taken in the rank that runs the
+    student's code, could be forged."""
+    doubled, kept = doubled_gradients(sizes), first_gradients("mlp", sizes)
+    n = len(runs)
+
+    def close(got, want):
+        return got is not None and got.shape == want.shape and max_abs_diff(got, want) <= TOLERANCE
+
+    for rank, run in enumerate(runs):
+        for i, got in enumerate(run.first_grads):
+            if close(got, fsdp.shard(doubled[i], rank, n)):
+                continue
+            if close(got, fsdp.shard(kept[i], rank, n)):
+                raise AssertionError(
+                    f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd), "
+                    f"rank {rank}'s shard of parameter {i} got the gradient of the weights before the doubling: the "
+                    f"gradients were computed with the weights gathered in forward: the gathered weights were kept, "
+                    f"not freed after forward and gathered again in backward; is the record of bytes held edited?")
+            raise AssertionError(f"{where}: with every shard doubled between forward and backward (in place, unseen "
+                                 f"by autograd), rank {rank}'s shard of parameter {i} holds neither the gradient of "
+                                 f"the doubled weights (a backward that gathers them again) nor that of the old ones: "
+                                 f"backward must gather the weights again and use them for the input's gradient")
+
 
 def _verify_gradients(label, runs, model, sizes, where):
     """Step 0: each tensor the optimizer steps holds this rank's shard of the whole batch's gradient."""
@@ -314,13 +352,14 @@ def check_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_dim, num_layers, 
     student = Student(FSDPLinear=FSDPLinear, all_gather_unit=all_gather_unit)
     configurations = world_configurations(world_size, sizes)
     for k, (n, run_sizes) in enumerate(configurations):
-        jobs = [Job("fsdp")] + ([Job("fsdp2")] if k == 0 else [])  # FSDP2 on the notebook's sizes
+        jobs = [Job("fsdp")] + ([Job("fsdp2")] if k == 0 else []) + [Job("fsdp", doubled=True)]  # FSDP2: notebook's
         runs = _spawn_runs(jobs, student, n, run_sizes)
         where = f"the naive FSDP on {n} ranks (hidden {run_sizes.hidden_dim})"
         verify_calls(LABELS["fsdp"], runs[0], num_layers, {"all_gather": 2 * num_layers, "reduce_scatter": num_layers})
         _verify_gradients(LABELS["fsdp"], runs[0], "mlp", run_sizes, where)
         _verify_weights(LABELS["fsdp"], runs[0], "mlp", run_sizes, where, sharded=True)
         verify_units(LABELS["fsdp"], runs[0], 1, where)
+        _verify_gathered_again(LABELS["fsdp"], runs[-1], run_sizes, where)  # after the counts and bytes: their hints
         if k == 0:
             _verify_weights(LABELS["fsdp2"], runs[1], "mlp", run_sizes, f"{LABELS['fsdp2']} on {n} ranks",
                             sharded=False)

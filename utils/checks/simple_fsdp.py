@@ -12,8 +12,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from utils import pytorch_reference, simple_fsdp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
+from utils.fsdp import doubled_between
 from utils.launch import RankError, runnable_world_sizes, spawn
-from utils.model import Sizes, build_mlp
+from utils.model import Sizes, build_mlp, loss_fn, make_batch
 from utils.sizes import check_int
 
 ISSUES = dict(zip(simple_fsdp.MOVES, ("all-gather", "all-reduce", "reduce-scatter", "nothing")))
@@ -432,6 +433,38 @@ def _verify_resharded(runs, model, sizes):
                              f"of the weight gathered again") from None
 
 
+def _verify_gathered_again(runs, sizes):
+    """The MLP's step 0 with every shard doubled between forward and backward: unpack_gathered gathers the doubled
+    shards, so the inputs' gradients, and through them the earlier layers' weight gradients, are the doubled
+    weights'; a weight kept from forward gives the plain step's. Values, where the bytes held and the calls,
+    taken in the rank that runs the student's code, could be forged."""
+    where = f"reshard_after_forward on {len(runs)} ranks, the mlp (hidden {sizes.hidden_dim})"
+    net = simple_fsdp.build_model("mlp", sizes.hidden_dim, sizes.num_layers, sizes.seed)
+    loss = loss_fn(net(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)))
+    with doubled_between(list(net.parameters())):
+        loss.backward()
+    doubled, kept = {name: p.grad for name, p in net.named_parameters()}, simple_fsdp.first_gradients("mlp", sizes)
+
+    def close(got, whole, rank):
+        want = simple_fsdp.local_shard(whole, rank, len(runs))
+        return got is not None and got.shape == want.shape and max_abs_diff(got, want) <= TOLERANCE
+
+    for rank, run in enumerate(runs):
+        for name, whole in doubled.items():
+            got = run.first_grads.get(name)
+            if close(got, whole, rank):
+                continue
+            if close(got, kept[name], rank):
+                raise AssertionError(
+                    f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd), "
+                    f"rank {rank}'s gradient of {name!r} is that of the weights before the doubling: backward used the "
+                    f"weights gathered in forward: they were kept, not packed as shards and gathered again when "
+                    f"unpacked; is the record of bytes held edited?")
+            raise AssertionError(f"{where}: with every shard doubled between forward and backward (in place, unseen "
+                                 f"by autograd), rank {rank}'s gradient of {name!r} is neither the doubled weights' "
+                                 f"(unpack_gathered gathering the shards again) nor the old ones'")
+
+
 def _offset_dropped(runs, sizes):
     """Whether each rank's step 0 gradients are those of views of the weights rebuilt without their storage offset."""
     whole = simple_fsdp.first_gradients("fused", sizes, saving=simple_fsdp.storage_offset_dropped)
@@ -449,15 +482,19 @@ def check_reshard(data_parallel, reshard_after_forward, world_size, hidden_dim, 
     sizes = _sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     units = {}
     jobs = [("mlp", "fully_shard", True), ("awkward", "fully_shard", True), ("mlp", "fully_shard", False)]
+    doubled = ("mlp", "fully_shard", True, True)  # the shards doubled between step 0's forward and backward
     fused = ("fused", "fully_shard", True)  # launched once the others pass: it needs more of unpack_gathered
     for k, (n, run_sizes) in enumerate(configurations(world_size, sizes)):
-        all_runs = _runs(data_parallel, n, jobs if k == 0 else jobs[:2], run_sizes, reshard_after_forward, track=True)
+        all_runs = _runs(data_parallel, n, (jobs if k == 0 else jobs[:2]) + [doubled], run_sizes,
+                         reshard_after_forward, track=True)
+        doubled_runs = all_runs.pop(doubled)
         if k == 0:
             kept = all_runs.pop(jobs[2])[0]
             units["resharded"] = {phase: max(v for (s, p), v in all_runs[jobs[0]][0].units_by_phase.items()
                                              if p == phase) for phase in ("forward", "backward")}
         for (model, _, _), runs in all_runs.items():
             _verify_resharded(runs, model, run_sizes)
+        _verify_gathered_again(doubled_runs, run_sizes)  # after the counts and bytes: their hints first
         runs = _runs(data_parallel, n, [fused], run_sizes, reshard_after_forward,
                      hints={"invalid gradient": WRONG_VIEW, "shapes cannot be multiplied": WRONG_VIEW})
         _verify_resharded(runs[fused], "fused", run_sizes)
