@@ -425,6 +425,8 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
                         f"group's from dist.get_world_size(group))")
         if problem:
             raise AssertionError(problem)
+        if mesh == chained_on:  # the order, shown by the values: after every check of the records
+            _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed)
         passed.append(mesh)
         _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
                        nd.global_losses(runs, mesh[0]), weights, losses, mesh,
@@ -556,13 +558,71 @@ def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
     return ([(4, extra)] if fits and mesh != extra and not under_torchrun() else []) + [(world_size, mesh)]
 
 
-def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed):
-    """The ranks' Run3D on `mesh`; a refused call or a stall (the sends and receives that do not pair up, from the
-    ranks' journals) raised as an AssertionError naming it."""
+def _train_3d_chained(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                      journal_dir=None, chained=False):
+    """nd.train_3d_main's run; with `chained`, then one more first step, recorded and guarded as any run's, with
+    every layer of the stage chained (checks.pipeline.chain_layers). Returns (run, the chained step's gradient
+    shards after the sync by name, or None)."""
+    run = nd.train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                           journal_dir=journal_dir)
+    if not chained or run.synced is None:  # every rank stopped before training: a stage's parameters are wrong
+        return run, None
+    from utils.checks.pipeline import chain_layers
+
+    def parallelize_chained(model, groups):
+        model, shards = parallelize(model, groups)
+        chain_layers(model)
+        return model, shards
+
+    return run, nd.train_3d_main(rank, world_size, parallelize_chained, train_step, sizes, mesh, num_micro_batches, 1,
+                                 seed, journal_dir=journal_dir).synced
+
+
+def chained_3d_gradients(sizes, mesh, num_micro_batches, seed=0):
+    """One process's gradient shards after a first step of 1F1B on a (data, pipeline, 1) mesh with every layer of
+    each rank's stage chained (checks.pipeline.chained_replay, per data rank), the data ranks' mean sharded as FSDP
+    shards it: {(data, pipeline) coordinate: {name: shard}}."""
+    from utils import pipeline as pp
+    from utils.checks.pipeline import chained_replay
+    from utils.pytorch_reference import transformer_stage
+
+    data_parallel, num_stages, _ = mesh
+    m, last = num_micro_batches, num_stages - 1
+    tables = [pp.chunked(pp.one_f_one_b_order)(s, num_stages, 1, m) for s in range(num_stages)]
+    grads = [{} for _ in range(num_stages)]
+    for d in range(data_parallel):
+        stages = [torch.nn.ModuleList([transformer_stage(sizes, s, num_stages, seed)]) for s in range(num_stages)]
+        inputs, targets = (x.chunk(data_parallel)[d].chunk(m) for x in make_tokens(sizes, seed, 0))
+        chained_replay(tables, stages, inputs, lambda j, stage, x, i: lm_loss(stage(x), targets[i]) / m if j == last
+                       else stage(x))
+        for s, (stage,) in enumerate(stages):
+            for name, p in stage.named_parameters():
+                grads[s][name] = grads[s].get(name, 0) + p.grad / data_parallel
+    return {(d, s): {name: _expected_shard(g, name, (d, 0), data_parallel, 1) for name, g in grads[s].items()}
+            for d in range(data_parallel) for s in range(num_stages)}
+
+
+def _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed):
+    """After every check of the records: each rank's chained gradient shards against 1F1B's order played in one
+    process (checks.pipeline's hint: another order, whatever the record says). A stage's order changes its
+    neighbours' values too, so the hint names every stage's table."""
+    from utils.checks.pipeline import _check_chained
+
+    want = chained_3d_gradients(sizes, mesh, num_micro_batches, seed)
+    for run, got in zip(runs, chained):
+        d, stage, _ = run.coordinate
+        _check_chained(f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}",
+                       [got[name] for name in run.names], [want[d, stage][name] for name in run.names], "1F1B",
+                       f"pp.one_f_one_b_order(s, {mesh[1]}, {num_micro_batches}) on each stage s")
+
+
+def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed, chained=False):
+    """The ranks' (Run3D, chained gradient shards or None) on `mesh`; a refused call or a stall (the sends and
+    receives that do not pair up, from the ranks' journals) raised as an AssertionError naming it."""
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
-            return spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
-                         seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
+            return spawn(_train_3d_chained, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+                         seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir, chained=chained)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
                 _raise_composition_mistake(e, f"on mesh (data, pipeline, tensor) = {mesh}")
@@ -587,10 +647,11 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
     grads = reference_gradients(sizes, seed)
     passed = []
+    chained_on = next((mesh for _, mesh in runs_on if mesh[2] == 1 and num_micro_batches > 1), None)
     for k, mesh in runs_on:
         last_mesh = mesh == runs_on[-1][1]
-        runs = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, num_steps if last_mesh else 1,
-                       seed)
+        runs, chained = zip(*_run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches,
+                                     num_steps if last_mesh else 1, seed, chained=mesh == chained_on))
         errors = [run.error for run in runs if run.error]
         problem = next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]) if errors else None
         problem = problem or next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))),
@@ -602,6 +663,8 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
             problem += f" (right on mesh {passed[0]}, wrong on {mesh})"
         if problem:
             raise AssertionError(problem)
+        if mesh == chained_on:  # the order, shown by the values: after every check of the records
+            _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed)
         passed.append(mesh)
         if last_mesh:
             _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
