@@ -425,8 +425,6 @@ def check_fsdp_tensor_parallel(parallelize, sync_gradients, world_size, sizes=SI
                         f"group's from dist.get_world_size(group))")
         if problem:
             raise AssertionError(problem)
-        if mesh == chained_on:  # the order, shown by the values: after every check of the records
-            _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed)
         passed.append(mesh)
         _check_trained(nd.full_weights(runs, {name: w.shape for name, w in weights.items()}, *mesh),
                        nd.global_losses(runs, mesh[0]), weights, losses, mesh,
@@ -558,24 +556,20 @@ def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
     return ([(4, extra)] if fits and mesh != extra and not under_torchrun() else []) + [(world_size, mesh)]
 
 
-def _train_3d_chained(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
-                      journal_dir=None, chained=False):
-    """nd.train_3d_main's run; with `chained`, then one more first step, recorded and guarded as any run's, with
-    every layer of the stage chained (checks.pipeline.chain_layers). Returns (run, the chained step's gradient
-    shards after the sync by name, or None)."""
-    run = nd.train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
-                           journal_dir=journal_dir)
-    if not chained or run.synced is None:  # every rank stopped before training: a stage's parameters are wrong
-        return run, None
-    from utils.checks.pipeline import chain_layers
+def _train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                   journal_dir=None, chained=False):
+    """nd.train_3d_main; with `chained`, every layer of the stage chained (checks.pipeline.chain_layers), its steps
+    recorded and guarded as any run's."""
+    if chained:
+        from utils.checks.pipeline import chain_layers
 
-    def parallelize_chained(model, groups):
-        model, shards = parallelize(model, groups)
-        chain_layers(model)
-        return model, shards
+        def parallelize(model, groups, unchained=parallelize):
+            model, shards = unchained(model, groups)
+            chain_layers(model)
+            return model, shards
 
-    return run, nd.train_3d_main(rank, world_size, parallelize_chained, train_step, sizes, mesh, num_micro_batches, 1,
-                                 seed, journal_dir=journal_dir).synced
+    return nd.train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                            journal_dir=journal_dir)
 
 
 def chained_3d_gradients(sizes, mesh, num_micro_batches, seed=0):
@@ -602,26 +596,26 @@ def chained_3d_gradients(sizes, mesh, num_micro_batches, seed=0):
             for d in range(data_parallel) for s in range(num_stages)}
 
 
-def _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed):
-    """After every check of the records: each rank's chained gradient shards against 1F1B's order played in one
-    process (checks.pipeline's hint: another order, whatever the record says). A stage's order changes its
-    neighbours' values too, so the hint names every stage's table."""
+def _check_chained_3d(chained, mesh, num_micro_batches, sizes, seed):
+    """After every check of the records: each rank's gradient shards in the chained run (Run3D.synced) against
+    1F1B's order played in one process (checks.pipeline's hint: another order, whatever the record says). A stage's
+    order changes its neighbours' values too, so the hint names every stage's table."""
     from utils.checks.pipeline import _check_chained
 
     want = chained_3d_gradients(sizes, mesh, num_micro_batches, seed)
-    for run, got in zip(runs, chained):
+    for run in chained:
         d, stage, _ = run.coordinate
         _check_chained(f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}",
-                       [got[name] for name in run.names], [want[d, stage][name] for name in run.names], "1F1B",
+                       [run.synced[name] for name in run.names], [want[d, stage][name] for name in run.names], "1F1B",
                        f"pp.one_f_one_b_order(s, {mesh[1]}, {num_micro_batches}) on each stage s")
 
 
 def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed, chained=False):
-    """The ranks' (Run3D, chained gradient shards or None) on `mesh`; a refused call or a stall (the sends and
+    """The ranks' Run3D on `mesh` (with `chained`, every layer chained); a refused call or a stall (the sends and
     receives that do not pair up, from the ranks' journals) raised as an AssertionError naming it."""
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
-            return spawn(_train_3d_chained, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+            return spawn(_train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
                          seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir, chained=chained)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
@@ -650,8 +644,8 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     chained_on = next((mesh for _, mesh in runs_on if mesh[2] == 1 and num_micro_batches > 1), None)
     for k, mesh in runs_on:
         last_mesh = mesh == runs_on[-1][1]
-        runs, chained = zip(*_run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches,
-                                     num_steps if last_mesh else 1, seed, chained=mesh == chained_on))
+        runs = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, num_steps if last_mesh else 1,
+                       seed)
         errors = [run.error for run in runs if run.error]
         problem = next((e for e in errors if "embedding on" in e or "LM head on" in e), errors[0]) if errors else None
         problem = problem or next((p for run in runs if (p := _count_problem(run, sizes, mesh, num_micro_batches))),
@@ -664,7 +658,8 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
         if problem:
             raise AssertionError(problem)
         if mesh == chained_on:  # the order, shown by the values: after every check of the records
-            _check_chained_3d(runs, chained, mesh, num_micro_batches, sizes, seed)
+            chained = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, 1, seed, chained=True)
+            _check_chained_3d(chained, mesh, num_micro_batches, sizes, seed)
         passed.append(mesh)
         if last_mesh:
             _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),
