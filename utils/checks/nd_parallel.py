@@ -16,7 +16,10 @@ before the reduce-scatter) is named with its bytes.
 check_pipeline_3d: a first step on (2, 2, 1) (4 ranks), where the pipeline neighbour is 1 rank away, then the world's
 (data, pipeline, tensor) mesh: every send and receive to a pipeline neighbour and of a micro-batch's hidden states'
 shape, every collective on its group, the calls counted, each stage's forwards and backwards in 1F1B's order, the
-gradient shards, losses and weights against one process.
+gradient shards, losses and weights against one process. The order is then shown by the values too (as 04's and 11's
+schedules: checks.pipeline's chained run): one more first step on (2, 2, 1) with every layer of each stage scaled by
+a running state of its rank that each forward and backward reads and sets, against each data rank's 1F1B tables
+played in one process (chained_3d_gradients); a record of the order edited to read as 1F1B's does not pass it.
 
 check_context_parallel_nd: the (context, tensor) mesh (2, 2), then (4, 1) for one step, where C and T differ: the
 ring on the context group, the calls counted, RoPE's positions, each rank's loss share, the gradient shards, losses
@@ -632,8 +635,9 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     """Train on (2, 2, 1) for one step, then on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on
     8) with 1F1B over `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group
     (refused on the rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d,
-    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then losses
-    and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then (on the
+    first mesh with T = 1) the order shown by a chained step's gradient shards, then losses and weights after
+    `num_steps` AdamW steps, against one process (1e-12)."""
     (n,) = runnable_world_sizes([world_size])
     runs_on = meshes_3d(n, sizes, num_micro_batches)
     for k, mesh in runs_on:
