@@ -12,6 +12,7 @@ input recomputes, which is the exercise.
   layer chained to a running state of its rank, which each forward and backward reads and advances: the gradients
   depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
   gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
+  12's 3-D step likewise: its check chains the stages' layers for one more step on the (2, 2, 1) mesh.
 - 05's FSDP and 07's reshard_after_forward: that backward gathers the weights again is now shown by values (every
   shard doubled between step 0's forward and backward: only a backward that gathers again meets the doubled
   weights), so one that keeps the weights gathered in forward (a copy, or the gathered weights with the records
@@ -478,11 +479,68 @@ def test_a_one_f_one_b_that_keeps_every_graph_and_forges_its_peak_gets_no_credit
     forged = solution("04_pipeline_parallel", replace=KEEP_EVERY_GRAPH)
     with pytest.raises(AssertionError, match="held the activations of"):
         check_one_f_one_b_step(forged.one_f_one_b_step, 4, 16, 6, 8, 2, 4)
+
+
+# ---------------------------------------------------------------- 12: the 3-D step's order, shown by values
+
+# GPipe's order on every stage of the 3-D step, the stage's recorded "F"/"B" (the list the recorder's forward hook on
+# the model appends to) rewritten as 1F1B's table at the end of the step. On (2, 2, 1) with 2 micro-batches, stage 1
+# runs F F B B where 1F1B runs F B F B; the check's chained step on that mesh shows it by the values.
+ONE_F_ONE_B_3D = "    for kind, i in pp.one_f_one_b_order(stage, num_stages, m):\n"
+SYNC_3D = "    sync_gradients_2d(model, shards, groups[\"tensor\"], groups[\"data\"])\n    return loss"
+GPIPE_AS_ONE_F_ONE_B_3D = {
+    ONE_F_ONE_B_3D: "    for kind, i in pp.gpipe_order(stage, num_stages, m):  # GPipe's order\n",
+    SYNC_3D: """    for hook in model._forward_hooks.values():  # the recorder's, its list in the closure: 1F1B's order
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+        if "order" in cells:
+            cells["order"].cell_contents[:] = [kind for kind, _ in pp.one_f_one_b_order(stage, num_stages, m)]
+""" + SYNC_3D}
+THREE_D_MESHES = dict(world_size=4, num_steps=1)  # (2, 2, 1), chained, then (1, 2, 2)
+
+
+@pytest.mark.slow  # 2 to 4 s on a loaded machine
+def test_a_3d_step_that_forges_its_order_gets_no_credit():
+    from utils.checks.nd_parallel import check_pipeline_3d
+    forged = solution("12_nd_parallel", replace=GPIPE_AS_ONE_F_ONE_B_3D)
+    with pytest.raises(AssertionError, match="on mesh \\(data, pipeline, tensor\\) = \\(2, 2, 1\\), rank "
+                                             "\\(\\d, \\d, 0\\): the gradients show the forwards and backwards ran "
+                                             "in another order than 1F1B's \\(pp.one_f_one_b_order\\(s, 2, 2\\) on "
+                                             "each stage s\\).*; is the record of the order edited"):
+        check_pipeline_3d(forged.parallelize_3d, forged.train_step_3d, **THREE_D_MESHES)
+
+
+@pytest.mark.slow  # 2 to 4 s on a loaded machine
+def test_the_3d_forger_would_pass_on_its_records_alone(monkeypatch, capsys):
+    """The forger above forges its record well enough: without the chained step's values, it gets credit."""
+    import utils.checks.nd_parallel as checks
+    monkeypatch.setattr(checks, "_check_chained_3d", lambda *args: None)
+    forged = solution("12_nd_parallel", replace=GPIPE_AS_ONE_F_ONE_B_3D)
+    checks.check_pipeline_3d(forged.parallelize_3d, forged.train_step_3d, **THREE_D_MESHES)
+    assert "equal one process's" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 2 to 4 s on a loaded machine
+def test_an_honest_3d_step_written_another_way_still_passes(capsys):
+    """1F1B's order from an inline table (warm-up, steady state, cool-down), each backward through
+    torch.autograd.backward: the chained step's values are the table's (to 1e-12)."""
+    from utils.checks.nd_parallel import check_pipeline_3d
+    other = solution("12_nd_parallel", replace={
+        ONE_F_ONE_B_3D: """    warm_up = min(num_stages - stage - 1, m)
+    table = [("F", j) for j in range(warm_up)] + [a for j in range(warm_up, m) for a in (("F", j), ("B", j - warm_up))]
+    for kind, i in table + [("B", j) for j in range(m - warm_up, m)]:
+""",
+        "                y.backward(grad)\n": "                torch.autograd.backward([y], [grad])\n"})
+    check_pipeline_3d(other.parallelize_3d, other.train_step_3d, **THREE_D_MESHES)
+    assert "equal one process's" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- 05: FSDP's gather again in backward, now values
 
-FSDP_SIZES = (2, 8, 3, 4, 2)  # world size, hidden dim, 3 layers (input gradients feed the earlier layers'), batch, steps
+# world size, hidden dim, 3 layers (input gradients feed the earlier layers'), batch, steps
+FSDP_SIZES = (2, 8, 3, 4, 2)
 FREE_IN_FORWARD = "        ctx.gather = gather\n        out = x @ weight.T\n        fsdp.free(weight)\n"
-GATHER_IN_BACKWARD = "        weight = ctx.gather(\"backward\")\n        grad_x = grad_output @ weight\n        fsdp.free(weight)\n"
+GATHER_IN_BACKWARD = ("        weight = ctx.gather(\"backward\")\n        grad_x = grad_output @ weight\n"
+                      "        fsdp.free(weight)\n")
 FIND_TRACKERS = ("        import gc\n"
                  "        for tracker in [o for o in gc.get_objects() if type(o).__name__ == \"MemoryTracker\"]:\n")
 FORGED_FSDP = {

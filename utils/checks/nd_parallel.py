@@ -16,7 +16,10 @@ before the reduce-scatter) is named with its bytes.
 check_pipeline_3d: a first step on (2, 2, 1) (4 ranks), where the pipeline neighbour is 1 rank away, then the world's
 (data, pipeline, tensor) mesh: every send and receive to a pipeline neighbour and of a micro-batch's hidden states'
 shape, every collective on its group, the calls counted, each stage's forwards and backwards in 1F1B's order, the
-gradient shards, losses and weights against one process.
+gradient shards, losses and weights against one process. The order is then shown by the values too (as 04's and 11's
+schedules: checks.pipeline's chained run): one more first step on (2, 2, 1) with every layer of each stage scaled by
+a running state of its rank that each forward and backward reads and sets, against each data rank's 1F1B tables
+played in one process (chained_3d_gradients); a record of the order edited to read as 1F1B's does not pass it.
 
 check_context_parallel_nd: the (context, tensor) mesh (2, 2), then (4, 1) for one step, where C and T differ: the
 ring on the context group, the calls counted, RoPE's positions, each rank's loss share, the gradient shards, losses
@@ -556,13 +559,67 @@ def meshes_3d(world_size, sizes=SIZES, num_micro_batches=NUM_MICRO_BATCHES):
     return ([(4, extra)] if fits and mesh != extra and not under_torchrun() else []) + [(world_size, mesh)]
 
 
-def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed):
-    """The ranks' Run3D on `mesh`; a refused call or a stall (the sends and receives that do not pair up, from the
-    ranks' journals) raised as an AssertionError naming it."""
+def _train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                   journal_dir=None, chained=False):
+    """nd.train_3d_main; with `chained`, every layer of the stage chained (checks.pipeline.chain_layers), its steps
+    recorded and guarded as any run's."""
+    if chained:
+        from utils.checks.pipeline import chain_layers
+
+        def parallelize(model, groups, unchained=parallelize):
+            model, shards = unchained(model, groups)
+            chain_layers(model)
+            return model, shards
+
+    return nd.train_3d_main(rank, world_size, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps, seed,
+                            journal_dir=journal_dir)
+
+
+def chained_3d_gradients(sizes, mesh, num_micro_batches, seed=0):
+    """One process's gradient shards after a first step of 1F1B on a (data, pipeline, 1) mesh with every layer of
+    each rank's stage chained (checks.pipeline.chained_replay, per data rank), the data ranks' mean sharded as FSDP
+    shards it: {(data, pipeline) coordinate: {name: shard}}."""
+    from utils import pipeline as pp
+    from utils.checks.pipeline import chained_replay
+    from utils.pytorch_reference import transformer_stage
+
+    data_parallel, num_stages, _ = mesh
+    m, last = num_micro_batches, num_stages - 1
+    tables = [pp.chunked(pp.one_f_one_b_order)(s, num_stages, 1, m) for s in range(num_stages)]
+    grads = [{} for _ in range(num_stages)]
+    for d in range(data_parallel):
+        stages = [torch.nn.ModuleList([transformer_stage(sizes, s, num_stages, seed)]) for s in range(num_stages)]
+        inputs, targets = (x.chunk(data_parallel)[d].chunk(m) for x in make_tokens(sizes, seed, 0))
+        chained_replay(tables, stages, inputs, lambda j, stage, x, i: lm_loss(stage(x), targets[i]) / m if j == last
+                       else stage(x))
+        for s, (stage,) in enumerate(stages):
+            for name, p in stage.named_parameters():
+                grads[s][name] = grads[s].get(name, 0) + p.grad / data_parallel
+    return {(d, s): {name: _expected_shard(g, name, (d, 0), data_parallel, 1) for name, g in grads[s].items()}
+            for d in range(data_parallel) for s in range(num_stages)}
+
+
+def _check_chained_3d(chained, mesh, num_micro_batches, sizes, seed):
+    """After every check of the records: each rank's gradient shards in the chained run (Run3D.synced) against
+    1F1B's order played in one process (checks.pipeline's hint: another order, whatever the record says). A stage's
+    order changes its neighbours' values too, so the hint names every stage's table."""
+    from utils.checks.pipeline import _check_chained
+
+    want = chained_3d_gradients(sizes, mesh, num_micro_batches, seed)
+    for run in chained:
+        d, stage, _ = run.coordinate
+        _check_chained(f"on mesh (data, pipeline, tensor) = {mesh}, rank {run.coordinate}",
+                       [run.synced[name] for name in run.names], [want[d, stage][name] for name in run.names], "1F1B",
+                       f"pp.one_f_one_b_order(s, {mesh[1]}, {num_micro_batches}) on each stage s")
+
+
+def _run_3d(parallelize, train_step, n, mesh, sizes, num_micro_batches, num_steps, seed, chained=False):
+    """The ranks' Run3D on `mesh` (with `chained`, every layer chained); a refused call or a stall (the sends and
+    receives that do not pair up, from the ranks' journals) raised as an AssertionError naming it."""
     with tempfile.TemporaryDirectory() as journal_dir:
         try:
-            return spawn(nd.train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
-                         seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir)
+            return spawn(_train_3d_main, n, parallelize, train_step, sizes, mesh, num_micro_batches, num_steps,
+                         seed, timeout=CHECK_TIMEOUT, journal_dir=journal_dir, chained=chained)
         except (RankError, TimeoutError) as e:
             if isinstance(e, RankError) and "CompositionMistake" in e.summary:
                 _raise_composition_mistake(e, f"on mesh (data, pipeline, tensor) = {mesh}")
@@ -578,8 +635,9 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     """Train on (2, 2, 1) for one step, then on the (data, pipeline, tensor) mesh of `world_size` ranks ((2, 2, 2) on
     8) with 1F1B over `num_micro_batches`: each send/recv to a pipeline neighbour and each collective on its group
     (refused on the rank before it runs), the stages' parameters, the calls per group against nd.formula_calls_3d,
-    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then losses
-    and weights after `num_steps` AdamW steps, against one process (1e-12)."""
+    each stage's order of forwards and backwards against 1F1B's table, the first step's gradient shards, then (on the
+    first mesh with T = 1) the order shown by a chained step's gradient shards, then losses and weights after
+    `num_steps` AdamW steps, against one process (1e-12)."""
     (n,) = runnable_world_sizes([world_size])
     runs_on = meshes_3d(n, sizes, num_micro_batches)
     for k, mesh in runs_on:
@@ -587,6 +645,7 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
     weights, losses = train_transformer_reference(sizes, num_steps, seed)
     grads = reference_gradients(sizes, seed)
     passed = []
+    chained_on = next((mesh for _, mesh in runs_on if mesh[2] == 1 and num_micro_batches > 1), None)
     for k, mesh in runs_on:
         last_mesh = mesh == runs_on[-1][1]
         runs = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, num_steps if last_mesh else 1,
@@ -602,6 +661,9 @@ def check_pipeline_3d(parallelize, train_step, world_size, sizes=SIZES, num_micr
             problem += f" (right on mesh {passed[0]}, wrong on {mesh})"
         if problem:
             raise AssertionError(problem)
+        if mesh == chained_on:  # the order, shown by the values: after every check of the records
+            chained = _run_3d(parallelize, train_step, k, mesh, sizes, num_micro_batches, 1, seed, chained=True)
+            _check_chained_3d(chained, mesh, num_micro_batches, sizes, seed)
         passed.append(mesh)
         if last_mesh:
             _check_trained(nd.full_weights_3d(runs, {name: w.shape for name, w in weights.items()}, mesh),

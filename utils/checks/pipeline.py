@@ -614,10 +614,12 @@ class _Chained(torch.autograd.Function):
 
 
 def chain_layers(pieces):
-    """Every layer of a rank's pieces (a Stage, or a ModuleList of them) chained to one new _Chain."""
+    """Every layer of a rank's pieces (a Stage, or a ModuleList of them; or a model whose layers are a ModuleDict,
+    notebook 12's transformer stage) chained to one new _Chain."""
     chain = _Chain()
     for piece in pieces if isinstance(pieces, torch.nn.ModuleList) else [pieces]:
-        for layer in piece.layers:
+        layers = piece.layers.values() if isinstance(piece.layers, torch.nn.ModuleDict) else piece.layers
+        for layer in layers:
             layer.register_forward_hook(lambda module, args, y: _Chained.apply(y, chain))
 
 
@@ -634,22 +636,35 @@ def _chained_gradients(rank, world_size, schedule, m, sizes, num_virtual=None, s
 
 
 def chained_reference(tables, num_virtual, split, sizes, m):
-    """Each rank's weights' gradients after one step whose ranks ran `tables` (one per rank, (kind, chunk,
-    micro-batch)) with their layers chained: one process plays every rank, each with its own chain, in an order
-    that respects the hand-offs (pp.play's)."""
-    p, v, last = len(tables), num_virtual, len(tables) * num_virtual - 1
-    ranks = [pp.build_pieces(r, p, v, sizes["hidden_dim"], sizes["num_layers"], sizes["seed"]) for r in range(p)]
+    """Each rank's weights' gradients after one step of the course's MLP whose ranks ran `tables` (one per rank,
+    (kind, chunk, micro-batch)) with their layers chained (chained_replay)."""
+    p, last = len(tables), len(tables) * num_virtual - 1
+    ranks = [pp.build_pieces(r, p, num_virtual, sizes["hidden_dim"], sizes["num_layers"], sizes["seed"])
+             for r in range(p)]
+    micro_batches = make_batch(sizes["batch_size"], sizes["hidden_dim"], sizes["seed"], 0).chunk(m)
+    chained_replay(tables, ranks, micro_batches, lambda j, piece, x, i: loss_fn(piece(x)) / m if j == last
+                   else piece(x), split)
+    return [[g.grad for g in pieces.parameters()] for pieces in ranks]
+
+
+def chained_replay(tables, ranks, inputs, forward, split=False):
+    """One step whose ranks ran `tables` (one per rank, (kind, chunk, micro-batch)) with their layers chained: one
+    process plays every rank (`ranks`: each rank's pieces, chunk c of rank r being piece r + c p), each with its own
+    chain, in an order that respects the hand-offs (pp.play's). `inputs`: the first piece's input per micro-batch;
+    forward(j, piece, x, i): piece j's output of micro-batch i (the last piece's: its share of the loss). The
+    gradients are left in the pieces' .grad."""
+    p, v = len(tables), len(ranks[0])
+    last = p * v - 1
     for pieces in ranks:
         chain_layers(pieces)
-    micro_batches = make_batch(sizes["batch_size"], sizes["hidden_dim"], sizes["seed"], 0).chunk(m)
     timelines, _ = pp.play(tables, v)
     sent, alive = {}, {}  # (kind, piece, micro-batch): the output (F) or the input's gradient (B) handed on
     for *_, r, kind, chunk, i in sorted((end, r, *a[:3]) for r, t in enumerate(timelines) for *a, _, end in t):
         j, piece = r + chunk * p, ranks[r][chunk]
         if kind == "F":
-            x = micro_batches[i] if j == 0 else sent["F", j - 1, i].detach().requires_grad_()
-            sent["F", j, i] = y = piece(x)
-            alive[j, i] = x, (loss_fn(y) / m if j == last else y)
+            x = inputs[i] if j == 0 else sent["F", j - 1, i].detach().requires_grad_()
+            sent["F", j, i] = y = forward(j, piece, x, i)
+            alive[j, i] = x, y
             continue
         x, y = alive[j, i]
         grad = None if j == last else sent["B", j + 1, i]
@@ -660,7 +675,6 @@ def chained_reference(tables, num_virtual, split, sizes, m):
         else:
             y.backward(grad)
             sent["B", j, i] = x.grad
-    return [[g.grad for g in pieces.parameters()] for pieces in ranks]
 
 
 def _check_chained(where, got, want, schedule, table):

@@ -89,8 +89,10 @@ For each: the count, the wrong answers it exists to catch, and whether the value
                               that result), and compare each rank's gradients with a one-process replay of the
                               schedule's table (chained_reference): values that show each rank's order, since a
                               computation's scale is known only once the one its table puts before it has run (not
-                              the activations alive, nor whether a send was an isend). 12's check_pipeline_3d is
-                              not chained.
+                              the activations alive, nor whether a send was an isend). 12's check_pipeline_3d
+                              chains each stage's layers likewise for one more first step on its (2, 2, 1) mesh
+                              (tensor parallel 1: each data rank's 1F1B replayed in one process,
+                              chained_3d_gradients; not under torchrun, where that mesh does not run).
     05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
        12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
                               gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
@@ -117,18 +119,18 @@ of its process. Two measures are out of its reach, and two more were tried:
 - Values that show the method. 06's recompute doubles every weight between forward and backward: only a backward
   that recomputes meets the doubled weights, so a plain forward with forged counts gets the gradients wrong
   (tests/test_grading_compute_counts.py: the counters patched, their records edited through the garbage
-  collector; an honest recompute, a slow one, one written another way, still pass). 04's and 11's schedules run
-  one step with every layer chained to a running state of its rank that each forward and backward reads and sets
+  collector; an honest recompute, a slow one, one written another way, still pass). 04's, 11's and 12's schedules
+  run one step with every layer chained to a running state of its rank that each forward and backward reads and sets
   from its result (see the inventory): the gradients then show each rank's order of computations, so GPipe's order
-  (or the naive step) with its record edited to read as 1F1B, GPipe, ZB-H1 or interleaved gets no credit; the
-  same order written another way, or rounding otherwise, passes (tests/test_grading_compute_counts.py). The state
-  is the rank's, and code can set it; but what to set it to is a value of the computation the table runs before,
-  which needs that computation, and the hand-offs it waits for, to have run first: the table's order. What is left
-  is the gap of forged messages: a rank can compute every rank's share itself (the model and the data are
-  deterministic, and chained_reference is in utils/), send nothing and forge its calls; the wire counts fewer
-  segments then, not more, which it does not catch. 05's FSDP and 07's reshard_after_forward double every shard
-  between forward and backward, as 06 its weights: one that kept the weights gathered in forward, a copy of them or
-  the gathered weights with the bytes held and the calls edited, gets the gradients wrong (the same test file).
+  (or the naive step) with its record edited to read as 1F1B (04's, 12's 3-D), GPipe, ZB-H1 or interleaved gets no
+  credit; the same order written another way, or rounding otherwise, passes (tests/test_grading_compute_counts.py).
+  The state is the rank's, and code can set it; but what to set it to is a value of the computation the table runs
+  before, which needs that computation, and the hand-offs it waits for, to have run first: the table's order. What is
+  left is the gap of forged messages: a rank can compute every rank's share itself (the model and the data are
+  deterministic, and chained_reference is in utils/), send nothing and forge its calls; the wire counts fewer segments
+  then, not more, which it does not catch. 05's FSDP and 07's reshard_after_forward double every shard between
+  forward and backward, as 06 its weights: one that kept the weights gathered in forward, a copy of them or the
+  gathered weights with the bytes held and the calls edited, gets the gradients wrong (the same test file).
 - Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
@@ -161,7 +163,7 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
     04, 11 schedules          the activations alive (a run in the table's order that keeps every micro-batch's
                               graph, its peak edited: the xfail test), and an isend that was a send (both read from
                               the rank's record; the chained run shows the order only).
-    12 check_pipeline_3d      the order of forwards and backwards as well: GPipe's passed off as 1F1B.
+    12 check_pipeline_3d      the activations alive likewise (its record's order is the only measure of them).
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
                               gathered weights (05's check_fsdp, 07's check_reshard: only if it also gathers them
                               again in backward and uses those, or watches its shard for the check's doubling), a
