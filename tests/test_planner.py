@@ -482,6 +482,16 @@ def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, d
     assert all(r[k] == v for r in searched for k, v in (settings or {}).items())
 
 
+def test_the_search_builds_the_configs_config_builds():
+    # search._config fills a Config's fields without its __init__: the same configs, and nothing __init__ would check
+    assert not hasattr(pl.Config, "__post_init__")
+    settings = {"sequence_parallel": False, "prefetch": False}
+    for config in pl.configs(LLAMA2_70B, pl.Cluster(16, **H100), 32, settings=settings):
+        built = pl.Config(**vars(config))
+        assert config == built and hash(config) == hash(built) and list(vars(config)) == list(vars(built))
+        assert not config.sequence_parallel and not config.prefetch
+
+
 @pytest.mark.slow  # two searches of 1.5-1.7 s of one core each (more on a loaded machine)
 def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     import time
