@@ -513,7 +513,7 @@ def test_the_search_builds_the_configs_config_builds():
         assert not config.sequence_parallel and not config.prefetch
 
 
-@pytest.mark.slow  # two searches of 1.5-1.7 s of one core each (more on a loaded machine)
+@pytest.mark.slow  # two searches of about 1.55 s of one core each (more on a loaded machine)
 def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     import time
 
