@@ -462,6 +462,8 @@ def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
     for name in ("_layer_terms", "_optimizer_seconds", "_slowest_stage", "_flops_per_token"):
         monkeypatch.setattr(step, name, getattr(step, name).__wrapped__)
     monkeypatch.setattr(memory, "layer_activation_bytes", memory._layer_activation_bytes)
+    monkeypatch.setattr(memory, "_split_bytes", lambda model, config, stage: (
+        memory._model_state_bytes(model, config, stage), memory.buffer_bytes(model, config, stage)))
     rows = [pl.estimate(model, cluster, global_batch, c) for c in pl.configs(model, cluster, global_batch, **choices)]
     return sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_s"], r["memory_gb"]))
 
@@ -482,7 +484,36 @@ def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, d
     assert all(r[k] == v for r in searched for k, v in (settings or {}).items())
 
 
-@pytest.mark.slow  # two searches of 1.5-1.7 s of one core each (more on a loaded machine)
+def test_the_split_bytes_cache_keys_on_every_field_they_read():
+    # memory._split_bytes caches the model states and buffers on memory._SPLIT's fields: changing any other field
+    # of a config changes neither (at every ZeRO stage, with experts, interleaved, DeepSpeed 0.3's gathers)
+    from utils.planner import memory
+    keyed = set(memory._SPLIT.__reduce__()[1])
+    other = {bool: lambda x: not x, int: lambda x: 2 * x + 1, str: lambda x: x + "?"}
+    for model, config in [(MIXTRAL, pl.Config(dp=4, ep=2, pp=4, v=2, tp=2, zero_stage=zero, gather_copies=copies))
+                          for zero in (0, 1, 2, 3) for copies in (False, True)]:
+        for stage in (0, 1, 3):
+            split = memory._model_state_bytes(model, config, stage), memory.buffer_bytes(model, config, stage)
+            for field in dataclasses.fields(pl.Config):
+                if field.name not in keyed:
+                    value = getattr(config, field.name)
+                    changed = dataclasses.replace(config, **{field.name: other[type(value)](value)})
+                    assert (memory._model_state_bytes(model, changed, stage),
+                            memory.buffer_bytes(model, changed, stage)) == split, field.name
+            assert memory._split_bytes(model, config, stage) == split
+
+
+def test_the_search_builds_the_configs_config_builds():
+    # search._config fills a Config's fields without its __init__: the same configs, and nothing __init__ would check
+    assert not hasattr(pl.Config, "__post_init__")
+    settings = {"sequence_parallel": False, "prefetch": False}
+    for config in pl.configs(LLAMA2_70B, pl.Cluster(16, **H100), 32, settings=settings):
+        built = pl.Config(**vars(config))
+        assert config == built and hash(config) == hash(built) and list(vars(config)) == list(vars(built))
+        assert not config.sequence_parallel and not config.prefetch
+
+
+@pytest.mark.slow  # two searches of about 1.55 s of one core each (more on a loaded machine)
 def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     import time
 

@@ -59,20 +59,28 @@ def stage_params(model, config, stage=0):
     return dense, experts / config.ep
 
 
-_STATES = {}  # (id(model), the split, stage): (model, states); the search asks again for every micro-batch and knob
-_SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v")  # what model states depend on
+_STATES = {}  # (id(model), _SPLIT, stage): (model, states, buffers); the search asks again for every micro-batch, knob
+_SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v",  # what model states depend on,
+                             "prefetch", "gather_copies")  # and the buffers: all _split_bytes reads of a config
 
 
 def model_state_bytes(model, config, stage=0):
     """Parameters, gradients and optimizer states on one device of pipeline rank `stage`, sharded by ZeRO stage.
-    A new dict each call (callers add to it); computed once per model, split and stage (the entry holds the model,
-    so that its id stays its own)."""
+    A new dict each call (callers add to it)."""
+    return dict(_split_bytes(model, config, stage)[0])
+
+
+def _split_bytes(model, config, stage):
+    """(model states, buffer_bytes) of pipeline rank `stage`: what depends on the split alone, not on the
+    micro-batch, recomputation or schedule. Computed once per model, split and stage (the entry holds the model, so
+    that its id stays its own); _SPLIT lists every config field they read (a test changes every other one)."""
     key = (id(model), _SPLIT(config), stage)
-    if key not in _STATES:
+    entry = _STATES.get(key)
+    if entry is None:
         if len(_STATES) >= 8192:
             _STATES.clear()
-        _STATES[key] = (model, _model_state_bytes(model, config, stage))
-    return dict(_STATES[key][1])
+        entry = _STATES[key] = (model, _model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
+    return entry[1:]
 
 
 def _model_state_bytes(model, config, stage):
@@ -246,10 +254,11 @@ def memory_per_device(model, config, num_micro_batches, stage=0):
     """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
     bytes, on one device of pipeline rank `stage` (the first by default); logits: what they add to the peak
     (logits_beyond_recompute)."""
-    memory = model_state_bytes(model, config, stage)
+    states, buffers = _split_bytes(model, config, stage)
+    memory = dict(states)
     memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
     memory["logits"] = logits_beyond_recompute(model, config, stage)
-    memory["buffers"] = buffer_bytes(model, config, stage)
+    memory["buffers"] = buffers
     memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
     memory["runtime"] = RUNTIME_BYTES
     memory["total"] = sum(memory.values())

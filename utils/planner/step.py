@@ -264,8 +264,8 @@ def _slowest_stage(model, cluster, config):
 
 
 def _per_layer(model, cluster, config):
-    """One layer's terms (_layer_terms), what recomputation adds to its backward, and its forward and backward with
-    the communication they expose."""
+    """One layer's terms (_layer_terms), what recomputation adds to its backward, its forward and backward with the
+    communication they expose, and what one layer's transfers leave exposed beside them (_exposed_per_layer)."""
     c, terms = config, _layer_terms(model, cluster, config)
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
     merge_f, merge_b = terms[13:15]
@@ -275,31 +275,47 @@ def _per_layer(model, cluster, config):
     backward_layer = lt.input_grad + lt.weight_grad + merge_b + tp_b + cp_b + ep_b
     if c.recompute == "full":
         backward_layer += tp_f + cp_f + ep_f
-    return terms, recomputed, forward_layer, backward_layer + recomputed
+    backward_layer += recomputed
+    return terms, recomputed, forward_layer, backward_layer, _exposed_per_layer(terms, c, recomputed, backward_layer)
+
+
+def _exposed_per_layer(terms, config, recomputed, backward_layer):
+    """Per layer and micro-batch, what _layers_part multiplies by the stage's layer count: each group's exposed
+    time (tp, cp, ep; forward again with full recomputation), what a data-axis transfer leaves exposed beside the
+    computation it runs beside (FSDP's prefetched gather beside a forward, gather and reduce-scatter beside a
+    backward; a reduce-scatter alone beside a backward; a per-step gather beside a forward), and the compute. They
+    read the layer's terms, the recomputation and prefetch only: computed once per layer kind, not once per
+    pipeline stage."""
+    c = config
+    lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce = terms[:9]
+    merge_f, merge_b = terms[13:15]
+    full = c.recompute == "full"
+    return (tp_f + tp_b + tp_f * full, cp_f + cp_b + cp_f * full, ep_f + ep_b + ep_f * full,
+            max(0.0, gather - lt.forward * c.prefetch), max(0.0, gather + reduce - backward_layer),
+            max(0.0, reduce - backward_layer), max(0.0, gather - lt.forward),
+            lt.forward + merge_f + lt.input_grad + lt.weight_grad + merge_b + recomputed)
 
 
 def _layers_part(per_layer, config, layers, stage, ends=True):
     """`layers` layers alike of pipeline stage `stage` (per_layer: _per_layer of one), per micro-batch: each
     group's exposed time, F, B, W and compute; with `ends`, the stage's hand-offs, the output layer on the last
-    stage and the root unit's transfers (root_unit_seconds); and the data axis's exposed seconds once per step."""
+    stage and the root unit's transfers (root_unit_seconds); and the data axis's exposed seconds once per step.
+    A transfer beside each of `layers` layers' computation leaves `layers` times what it leaves beside one
+    (_exposed_per_layer)."""
     c = config
-    terms, recomputed, forward_layer, backward_layer = per_layer
+    terms, recomputed, forward_layer, backward_layer, exposed = per_layer
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots = terms
-    full = c.recompute == "full"
-
-    def hidden_behind(comm, beside, layers):  # what `layers` transfers of `comm` beside `beside` each leave exposed
-        return layers * max(0.0, comm - beside)
+    tp, cp, ep, gather_beside_f, fsdp_beside_b, reduce_beside_b, gather_ahead, compute = exposed
 
     fsdp = c.zero_stage == 3 and n > 1
     # per micro-batch: each group's exposed time, and F, B, W
     pp_f, pp_b = pp_send if ends else (0.0, 0.0)
-    part = {"tp": layers * (tp_f + tp_b + tp_f * full), "cp": layers * (cp_f + cp_b + cp_f * full),
-            "ep": layers * (ep_f + ep_b + ep_f * full), "pp": c.v * (pp_f + pp_b)}
-    dp_f = gather + hidden_behind(gather, lt.forward * c.prefetch, layers - 1) if fsdp else 0.0
-    dp_b = (hidden_behind(gather + reduce, backward_layer, layers) if c.prefetch else  # gathers on demand
-            layers * gather + hidden_behind(reduce, backward_layer, layers)) + reduce if fsdp else 0.0
+    part = {"tp": layers * tp, "cp": layers * cp, "ep": layers * ep, "pp": c.v * (pp_f + pp_b)}
+    dp_f = gather + (layers - 1) * gather_beside_f if fsdp else 0.0
+    dp_b = ((layers * fsdp_beside_b) if c.prefetch else  # gathers on demand
+            layers * gather + layers * reduce_beside_b) + reduce if fsdp else 0.0
     if c.zero_stage == 2 and n > 1:
-        dp_b = hidden_behind(reduce, backward_layer, layers) + reduce
+        dp_b = layers * reduce_beside_b + reduce
     root_gather, root_reduce = roots.get(stage, (0.0, 0.0)) if ends else (0.0, 0.0)
     if fsdp:  # the root unit: gathered before the first layer runs, reduce-scattered after the last gradient
         dp_f, dp_b = dp_f + root_gather, dp_b + root_reduce
@@ -310,17 +326,16 @@ def _layers_part(per_layer, config, layers, stage, ends=True):
     part["F"] = layers * forward_layer + out_f * last + c.v * pp_f + dp_f
     part["W"] = layers * lt.weight_grad + out_b / 2 * last
     part["B"] = layers * backward_layer - part["W"] + out_b * last + c.v * pp_b + dp_b
-    part["compute"] = (layers * (lt.forward + merge_f + lt.input_grad + lt.weight_grad + merge_b + recomputed)
-                       + (out_f + out_b) * last)
+    part["compute"] = layers * compute + (out_f + out_b) * last
     part["per_step"] = 0.0
     if n > 1:  # once per step: ZeRO-0/1's gradients, ZeRO-1/2's updated weights (the root's last and first)
         if c.zero_stage <= 1:
-            part["per_step"] += hidden_behind(reduce, backward_layer, layers) + reduce + root_reduce
+            part["per_step"] += layers * reduce_beside_b + reduce + root_reduce
         if c.zero_stage in (1, 2):  # the updated weights gathered beside the first forward, or on demand
             # (Config.prefetch False: FairScale's FSDP, which OPT ran with --no-reshard-after-forward, gathers a
             # unit's weights as its forward starts and waits for them, fully_sharded_data_parallel.py's forward ->
             # _rebuild_full_params -> current_stream().wait_stream(all_gather): no unit gathers the next one's)
-            ahead = hidden_behind(gather, lt.forward, layers) + gather if c.prefetch else layers * gather
+            ahead = layers * gather_ahead + gather if c.prefetch else layers * gather
             part["per_step"] += ahead + root_gather
     return part
 
