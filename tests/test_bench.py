@@ -260,9 +260,9 @@ def test_waits_are_read_around_each_run_and_survive_the_trip_from_the_ranks():
     assert waits == [None] * 3 or all(0 <= w <= s for w, s in zip(waits, samples))
     assert [run.waited for run in pickle.loads(pickle.dumps(samples))] == waits
     assert [run.waited for run in (samples + samples)[1:]] == (waits + waits)[1:]  # lists keep them
-    assert bench.seconds_waited(None, {"1": 5}, 1.0) is None
-    assert bench.seconds_waited({"1": 10**9}, {"1": 3 * 10**9, "2": 10**9}, 5.0) == 3.0  # a new thread: from 0
-    assert bench.seconds_waited({"1": 0}, {"1": 9 * 10**9}, 2.0) == 2.0  # at most the run: threads wait at once
+    assert bench.seconds_waited(None, 5, 1.0) is None
+    assert bench.seconds_waited(10**9, 3 * 10**9, 5.0) == 2.0
+    assert bench.seconds_waited(0, 9 * 10**9, 2.0) == 2.0  # at most the run
 
 
 def test_a_loop_that_times_its_own_steps_gets_their_waits_too():

@@ -36,29 +36,23 @@ def collective_seconds(fn, repeat=5, warmup=1):
 
 
 def core_waits():
-    """{thread id: nanoseconds it has been runnable but waiting for a core} for every thread of this process, from
-    Linux's /proc/self/task/*/schedstat (its second field); None where there is none (macOS)."""
+    """Nanoseconds the calling thread has been runnable but waiting for a core, from Linux's
+    /proc/thread-self/schedstat (its second field); None where there is none (macOS). The thread that runs the timed
+    code is the one whose waits delay it: a rank's other threads (gloo's, the intra-op pool's) mostly sleep, and
+    their waits, summed with its own, would count one delay several times."""
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
         return None
-    waits = {}
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                waits[tid] = int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
-            continue
-    return waits or None
 
 
 def seconds_waited(before, after, seconds):
-    """Seconds the threads of this process waited for a core between two core_waits(), summed over the threads (an
-    upper bound: two threads waiting at once delay the run once) and at most the `seconds` the run took; None where
-    the OS does not say."""
+    """Seconds the calling thread waited for a core between two core_waits(), at most the `seconds` the run took;
+    None where the OS does not say."""
     if before is None or after is None:
         return None
-    return min(sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9, seconds)
+    return min((after - before) / 1e9, seconds)
 
 
 class Seconds(float):
@@ -72,7 +66,7 @@ class Seconds(float):
 
 
 def stopwatch():
-    """Start timing: returns a function that gives the Seconds since, with what this process's threads waited for a
+    """Start timing: returns a function that gives the Seconds since, with what this thread waited for a
     core meanwhile (for loops that time their own steps)."""
     before, start = core_waits(), time.perf_counter()
 
@@ -86,8 +80,8 @@ def interleaved_samples(fns, repeat=5, warmup=1):
     """{name: [Seconds of each timed run]} for several calls, timed in turns (a, b, a, b, ...) after `warmup` untimed
     turns, so that a change in the machine's load hits them all alike. On ranks (a process group is up), every rank
     makes the calls, each run starts after a barrier, and a run's seconds are its slowest rank's (a step ends with its
-    last rank); in a single process, its own. With each run, the seconds its threads waited for a core (core_waits;
-    on ranks, the most any rank waited): what other processes on the machine cost it."""
+    last rank); in a single process, its own. With each run, the seconds its timing thread waited for a core
+    (core_waits; on ranks, the most any rank waited): what other ranks and processes on the machine cost it."""
     ranks = dist.is_initialized()
     times = {name: [] for name in fns}
     for run in range(warmup + repeat):
@@ -141,8 +135,8 @@ def threads(n):
 # And only when waiting for a core cannot explain the order. With other processes running, a variant that needs
 # more CPU or more rounds of synchronisation also waits longer for a core, and the gap grows: an order that an idle
 # machine cannot see appears under load. So the order a < b is claimed only if it survives removing from every run
-# of b the seconds its ranks waited for a core (Linux's schedstat, read around each run): every run of a is faster
-# than every run of b less its wait (Spread.unwaited). Where the OS does not say (macOS), waits are None and the
+# of b the seconds its ranks' timing thread waited for a core (Linux's schedstat, read around each run): every run
+# of a is faster than every run of b less its wait (Spread.unwaited). Where the OS does not say (macOS), waits are None and the
 # rule is the ranges' alone. On an idle machine with no more busy ranks than cores the waits are microseconds, and
 # change nothing; with more, the ranks wait for each other's cores, and only an order larger than that stands.
 Spread = collections.namedtuple("Spread", "median low high runs unwaited waited", defaults=(None, None, None))
