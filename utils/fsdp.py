@@ -461,7 +461,9 @@ def train_and_record(rank, world_size, job, student, sizes, track_step=1):
 def doubled_between(tensors, doubled=True):
     """Each tensor doubled in place for the block's duration, then halved back (powers of two: exact), out of
     autograd's sight. Around a backward: an FSDP that gathers its weights again in backward meets the doubled
-    shards and computes the inputs' gradients with them; one that kept the weights gathered in forward does not."""
+    shards and computes the inputs' gradients with them; one that kept the weights gathered in forward does not
+    (05, 07); a backward that recomputes a block meets the doubled weights, one that kept its activations does not
+    (06's recompute)."""
     if doubled:
         with torch.no_grad():
             for t in tensors:

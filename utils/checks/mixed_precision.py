@@ -564,10 +564,8 @@ def _weights_doubled_before_backward(model, x, recompute):
     for layer in model.layers:
         x = recompute(layer, x)
     loss = loss_fn(x)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data.mul_(2)  # .data: no version bump, so autograd's saved tensors do not refuse it
-    loss.backward()
+    with fsdp.doubled_between(list(model.parameters())):
+        loss.backward()
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
