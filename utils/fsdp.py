@@ -477,6 +477,16 @@ def doubled_between(tensors, doubled=True):
                     t.data.mul_(0.5)
 
 
+def doubled_gradients(net, x):
+    """{name: gradient} of one step of `net` on batch x with every weight doubled between forward and backward
+    (doubled_between): what an FSDP of `net` that gathers its weights again in backward computes when its shards are
+    doubled so (the checks of 05 and 07)."""
+    loss = loss_fn(net(x))
+    with doubled_between(list(net.parameters())):
+        loss.backward()
+    return {name: p.grad for name, p in net.named_parameters()}
+
+
 def _grads(tensors):
     return [None if p.grad is None else local_part(p.grad).detach().clone() for p in tensors]
 

@@ -131,7 +131,7 @@ class StepRecord:
     events: list = dataclasses.field(default_factory=list)  # Event, in the order they ended
     calls: list = dataclasses.field(default_factory=list)  # utils.intercept.Call, times on the same clock
     peak_alive: int = 0  # micro-batches whose saved activations were alive at once
-    waited: float = None  # seconds this rank's threads waited for a core in the step (record_timelines; utils.bench)
+    waited: float = None  # seconds this rank's thread waited for a core in the step (record_timelines; utils.bench)
 
 
 class _Recorder:
@@ -281,7 +281,7 @@ def idle_fraction(events_by_stage):
 
 
 def waited_share(records):
-    """The largest share of one step's span (its StepRecord on every stage) that a stage's threads waited for a core,
+    """The largest share of one step's span (its StepRecord on every stage) that a stage's thread waited for a core,
     which its idle share may have counted: what utils.bench removes before it claims an order of idle shares
     (bench.share_spread). None where the OS does not say."""
     if any(r.waited is None for r in records):

@@ -80,16 +80,6 @@ def first_gradients(model, sizes, rank=None, world_size=1):
     return [p.grad for p in net.parameters() if p.requires_grad]
 
 
-def doubled_gradients(sizes):
-    """Step 0's gradients of the whole batch when every weight is doubled between forward and backward
-    (fsdp.doubled_between): what an FSDP that gathers again in backward computes under Job(doubled=True)."""
-    net = _build_single("mlp", sizes)
-    loss = loss_fn(net(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)))
-    with fsdp.doubled_between(list(net.parameters())):
-        loss.backward()
-    return [p.grad for p in net.parameters()]
-
-
 def final_weights(model, sizes):
     net = _build_single(model, sizes)
     train_steps(net, torch.optim.AdamW(net.parameters(), **fsdp.ADAMW), sizes.hidden_dim, sizes.batch_size,
@@ -109,7 +99,9 @@ def _verify_gathered_again(label, runs, sizes, where):
     layers' weight gradients, are those of the doubled weights. One that kept the weights gathered in forward
     computes the plain step's. Values, where the bytes held and the calls counted, taken in the rank that runs the
     student's code, could be forged."""
-    doubled, kept = doubled_gradients(sizes), first_gradients("mlp", sizes)
+    doubled = list(fsdp.doubled_gradients(_build_single("mlp", sizes),
+                                          make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)).values())
+    kept = first_gradients("mlp", sizes)
     n = len(runs)
 
     def close(got, want):

@@ -12,9 +12,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from utils import pytorch_reference, simple_fsdp
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
-from utils.fsdp import doubled_between
+from utils.fsdp import doubled_gradients
 from utils.launch import RankError, runnable_world_sizes, spawn
-from utils.model import Sizes, build_mlp, loss_fn, make_batch
+from utils.model import Sizes, build_mlp, make_batch
 from utils.sizes import check_int
 
 ISSUES = dict(zip(simple_fsdp.MOVES, ("all-gather", "all-reduce", "reduce-scatter", "nothing")))
@@ -440,10 +440,8 @@ def _verify_gathered_again(runs, sizes):
     taken in the rank that runs the student's code, could be forged."""
     where = f"reshard_after_forward on {len(runs)} ranks, the mlp (hidden {sizes.hidden_dim})"
     net = simple_fsdp.build_model("mlp", sizes.hidden_dim, sizes.num_layers, sizes.seed)
-    loss = loss_fn(net(make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)))
-    with doubled_between(list(net.parameters())):
-        loss.backward()
-    doubled, kept = {name: p.grad for name, p in net.named_parameters()}, simple_fsdp.first_gradients("mlp", sizes)
+    doubled = doubled_gradients(net, make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0))
+    kept = simple_fsdp.first_gradients("mlp", sizes)
 
     def close(got, whole, rank):
         want = simple_fsdp.local_shard(whole, rank, len(runs))

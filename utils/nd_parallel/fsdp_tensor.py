@@ -157,7 +157,7 @@ def train_2d_main(rank, world_size, parallelize, sync_gradients, sizes, data_par
         inputs, targets = my_tokens(*make_tokens(sizes, seed, step), coordinate, data_parallel, tensor_parallel)
         phases, tracked = {}, track_memory and step == min(1, num_steps - 1)
         tracker = MemoryTracker(lambda: shards.parameters() + list(model.parameters()), optimizer)
-        elapsed = stopwatch()  # the step's seconds, and what its threads waited for a core (utils.bench)
+        elapsed = stopwatch()  # the step's seconds, and what this thread waited for a core (utils.bench)
         with communication_by_group(groups) as log, (tracker if tracked else contextlib.nullcontext()):
             mark = phase_marker(log, phases)
             shards.unshard()
