@@ -420,6 +420,40 @@ def test_torchtitans_fsdp_under_a_pipeline_keeps_whole_fp32_gradients(rows):
     assert all(0.75 < ratio <= 1 for ratio in ratios.values()), ratios
 
 
+def test_figure_17s_2x_is_the_bubble_of_batch_8_without_recomputation():
+    # Narayanan et al.'s Figure 17 (pr.FIGURE_17): with recomputation, batch 256 runs "up to 2x" faster than the best
+    # batch without it. In the planner's step times that best is batch 8 (2.06x); batch 16 would make it 1.38x, batch
+    # 4 3.4x: 8 micro-batches in flight ran without recomputation and 16 did not
+    def throughput(batch, recompute):
+        return batch / pr.estimate_published(pr.figure_17_run(batch, recompute))["step_s"]
+    best = throughput(256, "full")
+    assert 1.8 < best / throughput(8, "none") < 2.3 and best / throughput(16, "none") < 1.5 < best / throughput(4,
+                                                                                                           "none")
+    assert pr.estimate_published(pr.figure_17_run(8, "none"))["fits"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41: the planner counts 72 GB for Figure 17's 16 micro-batches in flight "
+                                       "without recomputation, which ran out of 80 GB (pr.FIGURE_17)")
+def test_figure_17_runs_out_of_memory_at_16_micro_batches_without_recomputation():
+    assert not pr.estimate_published(pr.figure_17_run(16, "none"))["fits"]
+
+
+def test_megatron_2021_keeps_its_stage_outputs():
+    # before deallocate_output_tensor (2022-01), each in-flight stage output stayed whole on every tensor-parallel
+    # rank: 16 of s b h e on Figure 17's first rank (0.8 GB), one fewer than pieces in flight on an interleaved last
+    # rank, none on a 1F1B last rank, and none once freed (Korthikanti et al. 2022's Megatron-LM)
+    model = pr.planner_model(pr.gpt("145.6B", 96, 12288, 80))
+    config = pl.Config(tp=8, pp=16, sequence_parallel=False, keep_stage_outputs=True)
+    assert pl.stage_output_bytes(model, config, 64) == 16 * 2048 * 12288 * 2
+    assert pl.stage_output_bytes(model, config, 64, stage=15) == 0
+    interleaved = dataclasses.replace(config, schedule="interleaved", v=5)
+    assert pl.stage_output_bytes(model, interleaved, 64, 15) == (pl.pieces_in_flight(interleaved, 64, 15) - 1) * \
+        2048 * 12288 * 2
+    assert pl.stage_output_bytes(model, dataclasses.replace(config, keep_stage_outputs=False), 64) == 0
+    assert all(run.layout.keep_stage_outputs == (run.layout.framework == "Megatron-LM 2021" or "README" in run.name)
+               for run in pr.RUNS)
+
+
 def test_every_reported_out_of_memory_is_predicted(rows):
     assert pr.agreement(rows)["oom_predicted"] >= OOM_SHARE, pr.format_validation(rows)
 

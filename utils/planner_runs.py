@@ -93,6 +93,7 @@ class Layout:
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
+    keep_stage_outputs: bool = False  # Megatron-LM of 2021: in-flight stage outputs kept (Config.keep_stage_outputs)
     framework: str = ""  # a key of FRAMEWORKS: the recomputation modes and schedules the search offers ('': all)
 
 
@@ -310,7 +311,7 @@ def runs_split(layout, num_layers, pp, v, zero_stage=0):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap", "logit_bytes")
+            "ep_overlap", "logit_bytes", "keep_stage_outputs")
 
 
 def framework_settings(layout):
@@ -617,7 +618,7 @@ def _narayanan_table1():
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
                        virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
-                       framework="Megatron-LM 2021"),
+                       keep_stage_outputs=True, framework="Megatron-LM 2021"),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
@@ -625,6 +626,27 @@ def _narayanan_table1():
                              "Sequence parallelism came after this paper (Korthikanti et al. 2022): off, so norms, "
                              "dropout and residuals run whole on every tensor-parallel rank."))
             for name, heads, dim, layers, tp, pp, gpus, batch, tflops in rows]
+
+
+# Narayanan et al. 2021, Figure 17 (section 5.8), as NVIDIA/Megatron-LM's examples/sc21/run_figure_17.sh (2021-08)
+# ran it: the 145.6B model (80 layers, hidden 12288, 96 heads) on 128 A100s (16 nodes), t 8 x p 16, micro-batch 1,
+# global batches 1 to 256, with and without --checkpoint-activations. The paper: recomputation "is needed to support
+# larger batch sizes", and with it large batches run "up to 2x" faster "than the best throughput achieved without
+# activation recomputation (for a smaller batch size) due to a smaller pipeline bubble". 1F1B holds min(p, m)
+# micro-batches, as many from batch 16 on: had batch 16 fit without recomputation, every larger one would have, with
+# less compute than with it. So 16 micro-batches in flight did not fit; and 2x is the bubble's (m + p - 1) / m of
+# batch 256 with recomputation over batch 8 without (1.37 over batch 16): batch 8 was the largest that ran.
+FIGURE_17 = ("Narayanan et al. 2021, Figure 17 and section 5.8; NVIDIA/Megatron-LM examples/sc21/run_figure_17.sh "
+             "at 6985e58938 (2021-08): TP 8, PP 16, micro-batch 1, 80 layers, hidden 12288, 96 heads, 16 nodes")
+
+
+def figure_17_run(global_batch, recompute):
+    """Figure 17's run at a global batch, without or with full recomputation (Megatron-LM of 2021's settings)."""
+    return Run(f"megatron21 Figure 17 145.6B {global_batch} {recompute}", FIGURE_17, gpt("145.6B", 96, 12288, 80),
+               "A100-80GB", 128, SELENE,
+               Layout(dp=1, tp=8, pp=16, global_batch=global_batch, micro_batch_size=1, recompute=recompute,
+                      zero_stage=0, sequence_parallel=False, keep_stage_outputs=True, framework="Megatron-LM 2021"),
+               None)
 
 
 TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
@@ -653,6 +675,7 @@ def _narayanan_table2():
                                sequence_parallel=False, prefetch=scheme != "ZeRO-3",
                                gather_copies=scheme == "ZeRO-3",
                                zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO,
+                               keep_stage_outputs=scheme == "PTD-P",
                                framework="DeepSpeed 2021" if scheme == "ZeRO-3" else "Megatron-LM 2021"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
@@ -692,7 +715,8 @@ def _megatron_readme_gpt3():
                 "examples/pretrain_gpt3_175B.sh at 090e141cc4 (2021), the script it names",
                 gpt("175B", 96, 12288, 96), "A100-80GB", 1024, SELENE,
                 Layout(dp=8, tp=8, pp=16, global_batch=1536, micro_batch_size=1, recompute="full", zero_stage=0,
-                       virtual_stages=1, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO),
+                       virtual_stages=1, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
+                       keep_stage_outputs=True),
                 138, flops="narayanan2021",
                 assumptions=("138 TFLOP/s per GPU is Narayanan et al.'s formula (recomputation counted) at 32 s: "
                              "the README's two numbers agree with it.",

@@ -204,7 +204,7 @@ def pieces_in_flight(config, num_micro_batches, stage=0):
 def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
     full recomputation, plus one layer recomputed in full during its backward; on the first rank, the embedding's
-    dropout masks (embedding_dropout_bytes)."""
+    dropout masks (embedding_dropout_bytes); the stage outputs a schedule keeps (stage_output_bytes)."""
     kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
     piece = 0.0
     for kind, layers in kinds:
@@ -212,7 +212,25 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
         kept += recomputed_layer_bytes(model, config, stage)
-    return kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
+    return (kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
+            + stage_output_bytes(model, config, num_micro_batches, stage))
+
+
+def stage_output_bytes(model, config, num_micro_batches, stage=0):
+    """The output tensors of the pieces in flight on pipeline rank `stage`, where the schedule keeps them until their
+    backward (Config.keep_stage_outputs): s b h e each, whole on every tensor-parallel rank without sequence parallel.
+    No op of the stage saves its last layer's output (the next stage's norm does, on the next rank): Megatron-LM's
+    schedules kept it in output_tensors until the piece's backward, until deallocate_output_tensor (schedules.py,
+    2022-01, commits 86da10e9d9 and 18846a0a57: 'output should be pseudo-freed in schedule, to optimize memory')
+    freed its storage once sent. Every piece in flight sends its output but the model's last, on the last rank."""
+    if not config.keep_stage_outputs or config.pp == 1:
+        return 0.0
+    pieces = pieces_in_flight(config, num_micro_batches, stage)
+    if stage == config.pp - 1:  # its last piece feeds the loss; interleaved, its other pieces in flight send
+        pieces = pieces - 1 if config.v > 1 else 0
+    whole = 1 if config.sequence_parallel else config.tp
+    return pieces * model.seq_len / config.cp * config.micro_batch_size * model.dim * model.activation_bytes * whole \
+        / config.tp
 
 
 def embedding_dropout_bytes(model, config, num_micro_batches, stage=0):
