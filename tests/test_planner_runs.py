@@ -50,6 +50,16 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.22); OPT (1.29; 1.00 among what metaseq offered);
 # DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations). Each with its
 # reason (format_layout_ranks).
+# Memory without recomputation, as real runs held it: the best split of Megatron 2021's 145.6B (t 8 x p 16, micro-batch
+# 1, 1F1B, no recomputation) is Narayanan et al.'s Figure 17 run (pr.FIGURE_17), which ran out of 80 GB at 16
+# micro-batches in flight: the paper's "up to 2x" over the best batch without recomputation is batch 8's bubble in the
+# planner's own times (2.06x; batch 16 would give 1.38x), and 1F1B holds the same 16 from batch 16 on. The planner
+# counts 72.3 GB there (47.3 at 8), margins included: 13.6 GB or more short of what that step held. Megatron-LM of 2021
+# kept every in-flight stage output until its backward (before deallocate_output_tensor, 2022-01: +0.8 GB there, up
+# to 8.8 GB on 87 interleaved pieces; Config.keep_stage_outputs); the rest (1.27-2.56x the counted activations in
+# flight) has no sourced term yet: an allocator wasting over 20% would do it (GMLake, ASPLOS'24, measured 15% on
+# average and up to 33% on A100s; PyTorch's expandable segments, which torchtitan's run script sets, came in 2023),
+# but one constant that large would put DeepSpeed's ZeRO-3 530B on 640 GPUs, which ran, out of memory.
 LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.61, 0.69  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
