@@ -94,6 +94,7 @@ class Layout:
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
     keep_stage_outputs: bool = False  # Megatron-LM of 2021: in-flight stage outputs kept (Config.keep_stage_outputs)
+    uncounted_activations: float = 0.0  # held beyond the counted activations without recomputation (UNCOUNTED_2021)
     framework: str = ""  # a key of FRAMEWORKS: the recomputation modes and schedules the search offers ('': all)
 
 
@@ -311,7 +312,7 @@ def runs_split(layout, num_layers, pp, v, zero_stage=0):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap", "logit_bytes", "keep_stage_outputs")
+            "ep_overlap", "logit_bytes", "keep_stage_outputs", "uncounted_activations")
 
 
 def framework_settings(layout):
@@ -605,6 +606,13 @@ def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt
 # state, gradient or weight: ZeRO 0 only, so that no alternative is given ZeRO-1's sharded optimizer states, which
 # its authors did not have; ZeRO-3 was DeepSpeed's, the paper's baseline.
 MEGATRON_LM_2021_2022_ZERO = (0,)
+# Megatron-LM of 2021 without recomputation held at least 1.27 times the counted activations in flight: Figure 17
+# (FIGURE_17; memory.activation_bytes, Config.uncounted_activations). The bound, rounded up.
+UNCOUNTED_2021 = 0.3
+MEGATRON_2021_MEMORY = ("Megatron-LM of 2021 kept each in-flight stage output whole until its backward "
+                        "(deallocate_output_tensor came in 2022-01) and, without recomputation, held at least 1.27 "
+                        "times the counted activations (Figure 17: 16 micro-batches of t 8 x p 16 did not fit, 8 did): "
+                        "keep_stage_outputs, uncounted_activations 0.3, for every layout of these runs' searches.")
 
 def _narayanan_table1():
     # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
@@ -618,13 +626,13 @@ def _narayanan_table1():
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
                        virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
-                       keep_stage_outputs=True, framework="Megatron-LM 2021"),
+                       keep_stage_outputs=True, uncounted_activations=UNCOUNTED_2021, framework="Megatron-LM 2021"),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
                              "t and p and the attention heads are the paper's Table 1 columns.",
                              "Sequence parallelism came after this paper (Korthikanti et al. 2022): off, so norms, "
-                             "dropout and residuals run whole on every tensor-parallel rank."))
+                             "dropout and residuals run whole on every tensor-parallel rank.", MEGATRON_2021_MEMORY))
             for name, heads, dim, layers, tp, pp, gpus, batch, tflops in rows]
 
 
@@ -645,7 +653,8 @@ def figure_17_run(global_batch, recompute):
     return Run(f"megatron21 Figure 17 145.6B {global_batch} {recompute}", FIGURE_17, gpt("145.6B", 96, 12288, 80),
                "A100-80GB", 128, SELENE,
                Layout(dp=1, tp=8, pp=16, global_batch=global_batch, micro_batch_size=1, recompute=recompute,
-                      zero_stage=0, sequence_parallel=False, keep_stage_outputs=True, framework="Megatron-LM 2021"),
+                      zero_stage=0, sequence_parallel=False, keep_stage_outputs=True,
+                      uncounted_activations=UNCOUNTED_2021, framework="Megatron-LM 2021"),
                None)
 
 
@@ -676,11 +685,13 @@ def _narayanan_table2():
                                gather_copies=scheme == "ZeRO-3",
                                zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO,
                                keep_stage_outputs=scheme == "PTD-P",
+                               uncounted_activations=UNCOUNTED_2021 if scheme == "PTD-P" else 0.0,
                                framework="DeepSpeed 2021" if scheme == "ZeRO-3" else "Megatron-LM 2021"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",
                                      "Sequence parallelism came after this paper (Korthikanti et al. 2022): off.",
+                                     *((MEGATRON_2021_MEMORY,) if scheme == "PTD-P" else ()),
                                      "ZeRO-3 is DeepSpeed's of early 2021, whose parameter prefetch did not work: "
                                      "'the forward phase is largely bounded by the parameter gathering' "
                                      "(deepspeedai/DeepSpeed issue 1174, June 2021; the tracing fix, PR 1170, "
@@ -716,13 +727,14 @@ def _megatron_readme_gpt3():
                 gpt("175B", 96, 12288, 96), "A100-80GB", 1024, SELENE,
                 Layout(dp=8, tp=8, pp=16, global_batch=1536, micro_batch_size=1, recompute="full", zero_stage=0,
                        virtual_stages=1, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
-                       keep_stage_outputs=True),
+                       keep_stage_outputs=True, uncounted_activations=UNCOUNTED_2021),
                 138, flops="narayanan2021",
                 assumptions=("138 TFLOP/s per GPU is Narayanan et al.'s formula (recomputation counted) at 32 s: "
                              "the README's two numbers agree with it.",
                              "Selene's DGX A100s (80 GB, eight 200 Gb/s HCAs per node), as Narayanan et al. 2021 "
                              "ran on; the README does not name the cluster.",
-                             "Megatron-LM of 2021: no sequence parallelism, no distributed optimizer."))]
+                             "Megatron-LM of 2021: no sequence parallelism, no distributed optimizer.",
+                             MEGATRON_2021_MEMORY))]
 
 
 def _korthikanti():
