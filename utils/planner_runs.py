@@ -911,8 +911,14 @@ def _torchtitan():
               "weights, whole fp32 gradients, sharded optimizer states, one reduce-scatter and one all-gather a "
               "step, which is ZeRO-1 in memory and traffic. Counted as ZeRO-2 (gradients sharded), the planner "
               "put these rows at 0.52-0.63 of the reserved memory; as ZeRO-1, 0.77-0.93.",
-              "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
-              "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
+              "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), with "
+              "expandable segments (run_llama_train.sh at 9dec370: PYTORCH_CUDA_ALLOC_CONF="
+              "'expandable_segments:True'), which map memory as tensors need it: the tensors' peak, rounded to "
+              "pages, without the CUDA context or NCCL's buffers. The planner's tensors (its total without its "
+              "fragmentation and runtime margins) are 0.96-0.98 of it on the compiled FSDP rows at selective "
+              "recomputation, 0.89-0.91 eager, and 0.68-0.90 on the full-recomputation rows (9-26 GB short): what "
+              "torchtitan's full recomputation holds beyond one recomputed layer has no term yet, and the "
+              "count without it (the search's alternatives) is not contradicted.",
               TORCHTITAN_REDUCE, TORCHTITAN_LOSS)
     cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
                "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
