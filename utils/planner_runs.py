@@ -1134,8 +1134,8 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
         f"{NARAYANAN}, section 5.2 and Table 2"),
     r"megatron21 (145\.6B|PTD-P 174\.6B)": Reason(
-        "its best, t 8 x p 16 without recomputation (16 micro-batches in flight), ran out of memory in Figure 17",
-        f"{FIGURE_17}; the planner counts 72 GB there (tests/test_planner_runs.py, its Figure 17 tests)",
+        "t 8 x p 16 without recomputation (16 micro-batches in flight) ran out of memory in Figure 17",
+        f"{FIGURE_17}; counted without Layout.uncounted_activations, 72 GB (tests/test_planner_runs.py)",
         MEGATRON_2021),
     r"megatron21 ": Reason(
         "Megatron's rules: TP up to the 8 GPUs of a node, then the smallest t x p that fits, at full recomputation",
