@@ -638,9 +638,10 @@ def _narayanan_table1():
 
 # Narayanan et al. 2021, Figure 17 (section 5.8), as NVIDIA/Megatron-LM's examples/sc21/run_figure_17.sh (2021-08)
 # ran it: the 145.6B model (80 layers, hidden 12288, 96 heads) on 128 A100s (16 nodes), t 8 x p 16, micro-batch 1,
-# global batches 1 to 256, with and without --checkpoint-activations. The paper: recomputation "is needed to support
-# larger batch sizes", and with it large batches run "up to 2x" faster "than the best throughput achieved without
-# activation recomputation (for a smaller batch size) due to a smaller pipeline bubble". 1F1B holds min(p, m)
+# global batches 1 to 256, with and without --checkpoint-activations. The paper (section 5.8, quoted from the paper as
+# read before this session: its text is not in the stored sources, the script is): recomputation "is needed to
+# support larger batch sizes", and with it large batches run "up to 2x" faster "than the best throughput achieved
+# without activation recomputation (for a smaller batch size) due to a smaller pipeline bubble". 1F1B holds min(p, m)
 # micro-batches, as many from batch 16 on: had batch 16 fit without recomputation, every larger one would have, with
 # less compute than with it. So 16 micro-batches in flight did not fit; and 2x is the bubble's (m + p - 1) / m of
 # batch 256 with recomputation over batch 8 without (1.37 over batch 16): batch 8 was the largest that ran.
