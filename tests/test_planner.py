@@ -489,7 +489,7 @@ def test_the_split_bytes_cache_keys_on_every_field_they_read():
     # of a config changes neither (at every ZeRO stage, with experts, interleaved, DeepSpeed 0.3's gathers)
     from utils.planner import memory
     keyed = set(memory._SPLIT.__reduce__()[1])
-    other = {bool: lambda x: not x, int: lambda x: 2 * x + 1, str: lambda x: x + "?"}
+    other = {bool: lambda x: not x, int: lambda x: 2 * x + 1, float: lambda x: x + 0.5, str: lambda x: x + "?"}
     for model, config in [(MIXTRAL, pl.Config(dp=4, ep=2, pp=4, v=2, tp=2, zero_stage=zero, gather_copies=copies))
                           for zero in (0, 1, 2, 3) for copies in (False, True)]:
         for stage in (0, 1, 3):

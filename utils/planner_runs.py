@@ -93,6 +93,8 @@ class Layout:
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
+    keep_stage_outputs: bool = False  # Megatron-LM of 2021: in-flight stage outputs kept (Config.keep_stage_outputs)
+    uncounted_activations: float = 0.0  # held beyond the counted activations without recomputation (UNCOUNTED_2021)
     framework: str = ""  # a key of FRAMEWORKS: the recomputation modes and schedules the search offers ('': all)
 
 
@@ -310,7 +312,7 @@ def runs_split(layout, num_layers, pp, v, zero_stage=0):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap", "logit_bytes")
+            "ep_overlap", "logit_bytes", "keep_stage_outputs", "uncounted_activations")
 
 
 def framework_settings(layout):
@@ -604,6 +606,13 @@ def gpt(name, heads, dim, layers, seq_len=2048, vocab_size=51200, tied=True, gpt
 # state, gradient or weight: ZeRO 0 only, so that no alternative is given ZeRO-1's sharded optimizer states, which
 # its authors did not have; ZeRO-3 was DeepSpeed's, the paper's baseline.
 MEGATRON_LM_2021_2022_ZERO = (0,)
+# Megatron-LM of 2021 without recomputation held at least 1.27 times the counted activations in flight: Figure 17
+# (FIGURE_17; memory.activation_bytes, Config.uncounted_activations). The bound, rounded up.
+UNCOUNTED_2021 = 0.3
+MEGATRON_2021_MEMORY = ("Megatron-LM of 2021 kept each in-flight stage output whole until its backward "
+                        "(deallocate_output_tensor came in 2022-01) and, without recomputation, held at least 1.27 "
+                        "times the counted activations (Figure 17: 16 micro-batches of t 8 x p 16 did not fit, 8 did): "
+                        "keep_stage_outputs, uncounted_activations 0.3, for every layout of these runs' searches.")
 
 def _narayanan_table1():
     # (model, attention heads, hidden, layers, tensor-parallel, pipeline-parallel, GPUs, batch, TFLOP/s per GPU)
@@ -617,14 +626,37 @@ def _narayanan_table1():
                 gpt(name, heads, dim, layers), "A100-80GB", gpus, SELENE,
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, global_batch=batch, recompute="full", zero_stage=0,
                        virtual_stages=None, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
-                       framework="Megatron-LM 2021"),
+                       keep_stage_outputs=True, uncounted_activations=UNCOUNTED_2021, framework="Megatron-LM 2021"),
                 tflops, flops="narayanan2021",
                 assumptions=("The micro-batch size and the interleaving of each row are not printed: left to the "
                              "planner.", "The README's image prints the model-parallel size t x p; the split into "
                              "t and p and the attention heads are the paper's Table 1 columns.",
                              "Sequence parallelism came after this paper (Korthikanti et al. 2022): off, so norms, "
-                             "dropout and residuals run whole on every tensor-parallel rank."))
+                             "dropout and residuals run whole on every tensor-parallel rank.", MEGATRON_2021_MEMORY))
             for name, heads, dim, layers, tp, pp, gpus, batch, tflops in rows]
+
+
+# Narayanan et al. 2021, Figure 17 (section 5.8), as NVIDIA/Megatron-LM's examples/sc21/run_figure_17.sh (2021-08)
+# ran it: the 145.6B model (80 layers, hidden 12288, 96 heads) on 128 A100s (16 nodes), t 8 x p 16, micro-batch 1,
+# global batches 1 to 256, with and without --checkpoint-activations. The paper (section 5.8, quoted from the paper as
+# read before this session: its text is not in the stored sources, the script is): recomputation "is needed to
+# support larger batch sizes", and with it large batches run "up to 2x" faster "than the best throughput achieved
+# without activation recomputation (for a smaller batch size) due to a smaller pipeline bubble". 1F1B holds min(p, m)
+# micro-batches, as many from batch 16 on: had batch 16 fit without recomputation, every larger one would have, with
+# less compute than with it. So 16 micro-batches in flight did not fit; and 2x is the bubble's (m + p - 1) / m of
+# batch 256 with recomputation over batch 8 without (1.37 over batch 16): batch 8 was the largest that ran.
+FIGURE_17 = ("Narayanan et al. 2021, Figure 17 and section 5.8; NVIDIA/Megatron-LM examples/sc21/run_figure_17.sh "
+             "at 6985e58938 (2021-08): TP 8, PP 16, micro-batch 1, 80 layers, hidden 12288, 96 heads, 16 nodes")
+
+
+def figure_17_run(global_batch, recompute):
+    """Figure 17's run at a global batch, without or with full recomputation (Megatron-LM of 2021's settings)."""
+    return Run(f"megatron21 Figure 17 145.6B {global_batch} {recompute}", FIGURE_17, gpt("145.6B", 96, 12288, 80),
+               "A100-80GB", 128, SELENE,
+               Layout(dp=1, tp=8, pp=16, global_batch=global_batch, micro_batch_size=1, recompute=recompute,
+                      zero_stage=0, sequence_parallel=False, keep_stage_outputs=True,
+                      uncounted_activations=UNCOUNTED_2021, framework="Megatron-LM 2021"),
+               None)
 
 
 TABLE2_IMAGE = "the table and caption as printed: cli99/llm-analysis, figures/megatron-lm-2nd-table-2.png"
@@ -653,11 +685,14 @@ def _narayanan_table2():
                                sequence_parallel=False, prefetch=scheme != "ZeRO-3",
                                gather_copies=scheme == "ZeRO-3",
                                zero_stages=(0, 1, 2, 3) if scheme == "ZeRO-3" else MEGATRON_LM_2021_2022_ZERO,
+                               keep_stage_outputs=scheme == "PTD-P",
+                               uncounted_activations=UNCOUNTED_2021 if scheme == "PTD-P" else 0.0,
                                framework="DeepSpeed 2021" if scheme == "ZeRO-3" else "Megatron-LM 2021"),
                         tflops, flops="narayanan2021",
                         assumptions=("The paper counts FLOPs with recomputation for both schemes; full "
                                      "recomputation assumed for both.",
                                      "Sequence parallelism came after this paper (Korthikanti et al. 2022): off.",
+                                     *((MEGATRON_2021_MEMORY,) if scheme == "PTD-P" else ()),
                                      "ZeRO-3 is DeepSpeed's of early 2021, whose parameter prefetch did not work: "
                                      "'the forward phase is largely bounded by the parameter gathering' "
                                      "(deepspeedai/DeepSpeed issue 1174, June 2021; the tracing fix, PR 1170, "
@@ -692,13 +727,15 @@ def _megatron_readme_gpt3():
                 "examples/pretrain_gpt3_175B.sh at 090e141cc4 (2021), the script it names",
                 gpt("175B", 96, 12288, 96), "A100-80GB", 1024, SELENE,
                 Layout(dp=8, tp=8, pp=16, global_batch=1536, micro_batch_size=1, recompute="full", zero_stage=0,
-                       virtual_stages=1, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO),
+                       virtual_stages=1, sequence_parallel=False, zero_stages=MEGATRON_LM_2021_2022_ZERO,
+                       keep_stage_outputs=True, uncounted_activations=UNCOUNTED_2021),
                 138, flops="narayanan2021",
                 assumptions=("138 TFLOP/s per GPU is Narayanan et al.'s formula (recomputation counted) at 32 s: "
                              "the README's two numbers agree with it.",
                              "Selene's DGX A100s (80 GB, eight 200 Gb/s HCAs per node), as Narayanan et al. 2021 "
                              "ran on; the README does not name the cluster.",
-                             "Megatron-LM of 2021: no sequence parallelism, no distributed optimizer."))]
+                             "Megatron-LM of 2021: no sequence parallelism, no distributed optimizer.",
+                             MEGATRON_2021_MEMORY))]
 
 
 def _korthikanti():
@@ -875,8 +912,14 @@ def _torchtitan():
               "weights, whole fp32 gradients, sharded optimizer states, one reduce-scatter and one all-gather a "
               "step, which is ZeRO-1 in memory and traffic. Counted as ZeRO-2 (gradients sharded), the planner "
               "put these rows at 0.52-0.63 of the reserved memory; as ZeRO-1, 0.77-0.93.",
-              "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), above what "
-              "the tensors take: the planner's prediction, of what must be allocated, is expected below it.",
+              "Memory is the peak the caching allocator reserved (torchtitan logs max_reserved_gib), with "
+              "expandable segments (run_llama_train.sh at 9dec370: PYTORCH_CUDA_ALLOC_CONF="
+              "'expandable_segments:True'), which map memory as tensors need it: the tensors' peak, rounded to "
+              "pages, without the CUDA context or NCCL's buffers. The planner's tensors (its total without its "
+              "fragmentation and runtime margins) are 0.96-0.98 of it on the compiled FSDP rows at selective "
+              "recomputation, 0.89-0.91 eager, and 0.68-0.90 on the full-recomputation rows (9-26 GB short): what "
+              "torchtitan's full recomputation holds beyond one recomputed layer has no term yet, and the "
+              "count without it (the search's alternatives) is not contradicted.",
               TORCHTITAN_REDUCE, TORCHTITAN_LOSS)
     cp_rows = ("At 32K-64K tokens attention is most of the step, and the planner times flash attention through the "
                "roofline with the s x s scores as memory traffic: that matches the 128K-256K rows but not these. "
@@ -1091,6 +1134,10 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     r"megatron21 ZeRO-3 ": Reason(
         "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
         f"{NARAYANAN}, section 5.2 and Table 2"),
+    r"megatron21 (145\.6B|PTD-P 174\.6B)": Reason(
+        "t 8 x p 16 without recomputation (16 micro-batches in flight) ran out of memory in Figure 17",
+        f"{FIGURE_17}; counted without Layout.uncounted_activations, 72 GB (tests/test_planner_runs.py)",
+        MEGATRON_2021),
     r"megatron21 ": Reason(
         "Megatron's rules: TP up to the 8 GPUs of a node, then the smallest t x p that fits, at full recomputation",
         f"{NARAYANAN}, section 3.3 (Takeaways #1 and #2) and section 3.5 (activation recomputation)",

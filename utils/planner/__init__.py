@@ -29,7 +29,8 @@ from utils.planner.describe import (A100_80GB, CP_MODES, GB, GPU, GPUS, H100_SXM
 from utils.planner.memory import (BUCKET_ELEMENTS, FRAGMENTATION, RUNTIME_BYTES, activation_bytes, buffer_bytes,
                                   embedding_dropout_bytes,
                                   layer_activation_bytes, logits_bytes, memory_per_device, micro_batches_in_flight,
-                                  model_state_bytes, peak_memory, pieces_in_flight, rank_layers, stage_params,
+                                  model_state_bytes, peak_memory, pieces_in_flight, rank_layers, stage_output_bytes,
+                                  stage_params,
                                   zero_sharded_bytes)
 from utils.planner.search import (COLUMNS, SCHEDULE_CHOICES, configs, divisors, estimate, estimates, format_rows,
                                   plan)

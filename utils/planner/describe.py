@@ -422,6 +422,10 @@ class Config:
     #                       entropy (Korthikanti et al.'s fp32 logits); 12, PyTorch's F.cross_entropy on fp32 logits
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's computation (DeepSeek-V3's
     #                           DualPipe, section 3.2.1: a forward and a backward chunk overlapped)
+    keep_stage_outputs: bool = False  # the pipeline schedule keeps each in-flight piece's output tensor until its
+    #                                   backward (Megatron-LM before deallocate_output_tensor, 2022-01: memory.py)
+    uncounted_activations: float = 0.0  # without recomputation, what a framework's runs held beyond the counted
+    #                                     activations, as a share of them, where a published run measures it (memory.py)
 
 
 @functools.lru_cache(maxsize=1024)

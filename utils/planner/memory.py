@@ -204,7 +204,18 @@ def pieces_in_flight(config, num_micro_batches, stage=0):
 def activation_bytes(model, config, num_micro_batches, stage=0):
     """Pipeline rank `stage`'s activations at their peak: its layers' for every micro-batch (piece) in flight; with
     full recomputation, plus one layer recomputed in full during its backward; on the first rank, the embedding's
-    dropout masks (embedding_dropout_bytes)."""
+    dropout masks (embedding_dropout_bytes); the stage outputs a schedule keeps (stage_output_bytes). Without
+    recomputation, times 1 + Config.uncounted_activations: what a published run shows its framework held beyond this
+    count, with no tensor yet named for it. Megatron-LM of 2021 (utils.planner_runs.UNCOUNTED_2021): Narayanan et
+    al.'s Figure 17 ran t 8 x p 16 at micro-batch 1 without recomputation with 8 micro-batches in flight and not
+    with 16 (utils.planner_runs.FIGURE_17), so it held at least 1.27 times this count at 16 and at most 2.56 at 8:
+    0.3, the bound rounded up (a test checks that 0.25 would let 16 fit). Read against that code
+    (megatron/model/transformer.py and fused_softmax.py at 6985e58938: Q, K and V views of one product, the fused
+    softmax keeping its fp16 output), Korthikanti et al.'s count names every tensor the layers save; the excess is
+    the allocator's or the schedule's. PyTorch's caching allocator had no expandable segments before 2.1 (2023);
+    GMLake (Guo et al., ASPLOS 2024) took 9.2 GB (up to 25 GB) and 15 points (up to 33) of fragmentation off it in
+    LLM training on A100-80GBs. One fragmentation share that large for every run would put DeepSpeed's ZeRO-3 530B
+    on 640 GPUs, which ran, out of memory: the excess is counted where it was measured."""
     kinds = rank_layer_kinds(model, config.pp, config.v, stage)  # DeepSeek-V3's dense first layers apart
     piece = 0.0
     for kind, layers in kinds:
@@ -212,7 +223,26 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
         kept += recomputed_layer_bytes(model, config, stage)
-    return kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
+    counted = (kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
+               + stage_output_bytes(model, config, num_micro_batches, stage))
+    return counted * (1 + config.uncounted_activations * (config.recompute == "none"))
+
+
+def stage_output_bytes(model, config, num_micro_batches, stage=0):
+    """The output tensors of the pieces in flight on pipeline rank `stage`, where the schedule keeps them until their
+    backward (Config.keep_stage_outputs): s b h e each, whole on every tensor-parallel rank without sequence parallel.
+    No op of the stage saves its last layer's output (the next stage's norm does, on the next rank): Megatron-LM's
+    schedules kept it in output_tensors until the piece's backward, until deallocate_output_tensor (schedules.py,
+    2022-01, commits 86da10e9d9 and 18846a0a57: 'output should be pseudo-freed in schedule, to optimize memory')
+    freed its storage once sent. Every piece in flight sends its output but the model's last, on the last rank."""
+    if not config.keep_stage_outputs or config.pp == 1:
+        return 0.0
+    pieces = pieces_in_flight(config, num_micro_batches, stage)
+    if stage == config.pp - 1:  # its last piece feeds the loss; interleaved, its other pieces in flight send
+        pieces = pieces - 1 if config.v > 1 else 0
+    whole = 1 if config.sequence_parallel else config.tp
+    return pieces * model.seq_len / config.cp * config.micro_batch_size * model.dim * model.activation_bytes * whole \
+        / config.tp
 
 
 def embedding_dropout_bytes(model, config, num_micro_batches, stage=0):
