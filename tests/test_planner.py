@@ -258,8 +258,26 @@ def test_groups_fill_a_node_from_the_inside():
     cluster = pl.Cluster(64, 8, 80e9, NVLINK, INFINIBAND, 1e15)
     links = pl.group_links(cluster, pl.Config(dp=2, tp=4, pp=4, cp=2))
     assert links["tp"] == (4, NVLINK) and links["cp"] == (2, NVLINK)  # 4 x 2 = one node
-    assert links["dp"] == (4, INFINIBAND) and links["pp"] == (4, INFINIBAND)
+    # the data group, 2 of its 4 ranks in each node: a ring of 3 steps, 1 between the nodes (below)
+    assert links["dp"] == (4, pl.Link((2 * NVLINK.alpha + INFINIBAND.alpha) / 3, INFINIBAND.beta))
+    assert links["pp"] == (4, INFINIBAND)
     assert pl.group_links(cluster, pl.Config(dp=8, tp=8))["tp"] == (8, NVLINK)
+
+
+def test_a_ring_across_nodes_crosses_the_network_once_per_node():
+    """NCCL's ring enters and leaves each node once: of a group's n - 1 steps, nodes - 1 pay the network's latency,
+    the rest NVLink's (NCCL's tuning.cc); a group of one rank per node pays the network's at every step, and a
+    pipeline's sends between neighbours the network's."""
+    cluster = pl.Cluster(256, 8, 80e9, NVLINK, INFINIBAND, 1e15)
+    n, link = pl.group_links(cluster, pl.Config(dp=256))["dp"]
+    size = 1e9
+    assert math.isclose(pl.collective_seconds("all_gather", n, size, link),
+                        224 * NVLINK.alpha + 31 * INFINIBAND.alpha + 255 / 256 * size / INFINIBAND.beta)
+    assert math.isclose(pl.collective_seconds("all_reduce", n, size, link),
+                        2 * (224 * NVLINK.alpha + 31 * INFINIBAND.alpha) + 2 * 255 / 256 * size / INFINIBAND.beta)
+    assert pl.group_links(cluster, pl.Config(dp=32, tp=8))["dp"] == (32, INFINIBAND)  # one rank per node
+    assert pl.group_links(cluster, pl.Config(pp=32, tp=8))["pp"] == (32, INFINIBAND)
+    assert pl.group_links(cluster, pl.Config(pp=64, tp=4))["pp"] == (64, INFINIBAND)  # sends: not a ring
 
 
 def test_step_time_at_a_fixed_mfu_by_hand():
@@ -336,7 +354,7 @@ def test_zero2_without_prefetch_gathers_each_layer_on_demand_once_per_step():
     config = pl.Config(dp=64, zero_stage=2, micro_batch_size=8, recompute="full")
     dp = {p: {b: pl.estimate(model, cluster, b, dataclasses.replace(config, prefetch=p))["dp_s"] for b in (512, 2048)}
           for p in (True, False)}
-    n, link = 64, cluster.inter
+    n, link = pl.group_links(cluster, config)["dp"]  # a ring of 8 nodes of 8
     gather = pl.collective_seconds("all_gather", n, model.layer_dense_params * model.param_bytes, link)
     assert math.isclose(dp[False][512] - dp[True][512], (model.num_layers - 1) * gather, rel_tol=1e-9)
     assert math.isclose(dp[False][2048] - dp[True][2048], dp[False][512] - dp[True][512])  # once per step

@@ -4,6 +4,8 @@
 cost model for the planner and the replay. The mesh is (pp, dp, cp, tp), tp innermost: a group whose ranks fit in
 one node talks over the intra-node link (NVLink), any other over the inter-node one (InfiniBand).
 """
+from utils.planner.describe import Link
+
 BACKENDS = ("ring", "gloo")
 
 
@@ -38,10 +40,22 @@ def collective_seconds(op, world_size, size, link):
     return steps * link.alpha + collective_bytes(op, world_size, size) / link.beta
 
 
-def group_link(cluster, stride, size):
+def group_link(cluster, stride, size, ring=True):
     """The link a group of `size` ranks, `stride` apart on the mesh, runs at: intra-node when its ranks span at most
-    one node's devices (inner axes first), inter-node otherwise."""
-    return cluster.intra if stride * size <= cluster.devices_per_node else cluster.inter
+    one node's devices (inner axes first), inter-node otherwise. A collective across nodes runs as NCCL's ring, which
+    enters and leaves each node once ("Ring Allreduce requires data to go through each GPU and enter/exit the node
+    once", S. Jeaugey, NVIDIA/nccl issue 687): with g of the group's ranks in each node, of its size - 1 steps,
+    size/g - 1 cross the network and the rest NVLink (NCCL's own latency model counts them so: src/graph/tuning.cc,
+    nInterSteps = nNodes - 1 for an all-gather or reduce-scatter, 2 (nNodes - 1) for an all-reduce). Its alpha is
+    the mean over those steps; ring False (a pipeline's sends between neighbours): the network's."""
+    if stride * size <= cluster.devices_per_node:
+        return cluster.intra
+    per_node = cluster.devices_per_node // stride if stride < cluster.devices_per_node else 1
+    if per_node <= 1 or not ring:
+        return cluster.inter
+    nodes = -(-size // per_node)
+    alpha = ((size - nodes) * cluster.intra.alpha + (nodes - 1) * cluster.inter.alpha) / (size - 1)
+    return Link(alpha, cluster.inter.beta)
 
 
 def group_links(cluster, config):
@@ -50,4 +64,4 @@ def group_links(cluster, config):
     c = config
     return {"tp": (c.tp, group_link(cluster, 1, c.tp)), "cp": (c.cp, group_link(cluster, c.tp, c.cp)),
             "ep": (c.ep, group_link(cluster, c.tp, c.ep)), "dp": (c.dp * c.cp, group_link(cluster, c.tp, c.dp * c.cp)),
-            "pp": (c.pp, group_link(cluster, c.tp * c.cp * c.dp, c.pp))}
+            "pp": (c.pp, group_link(cluster, c.tp * c.cp * c.dp, c.pp, ring=False))}

@@ -165,7 +165,7 @@ def _layer_terms(model, cluster, config):
     # 2.1.2: a token's experts on at most topk_group nodes) at most topk_group copies cross between nodes, the rest
     # forwarded over NVLink inside the node beside them (section 3.2.2)
     copies = model.top_k * model.capacity_factor
-    if model.topk_group and links["ep"][1] is cluster.inter:
+    if model.topk_group and links["ep"][1] is not cluster.intra:
         copies = min(copies, model.topk_group)
     a2a = on("ep", "all_to_all", tokens / t * copies * model.dim * e) if model.moe else 0
     ep_f = ep_b = 2 * a2a
