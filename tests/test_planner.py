@@ -191,6 +191,12 @@ def test_the_runs_frameworks_cost_what_they_do():
     assert math.isclose(asynctp["tp_s"], LLAMA2_70B.num_layers * 2 * scatter, rel_tol=1e-9)
     assert math.isclose(plain["tp_s"], 2 * asynctp["tp_s"] + 2 * LLAMA2_70B.num_layers * 2 * pl.collective_seconds(
         "all_gather", 8, activations, h100.intra), rel_tol=1e-9)
+    # Float8 with tensor parallel (torchao's Float8ColwiseParallel, Float8RowwiseParallel): the all-gathers in 1-byte
+    # elements, forward and backward; the reduce-scatters of 16-bit outputs and input gradients as before
+    fp8 = pl.estimate(LLAMA2_70B, h100, 8, dataclasses.replace(tp8, float8=True))
+    assert math.isclose(fp8["tp_s"], plain["tp_s"] - 2 * LLAMA2_70B.num_layers * 2 * (pl.collective_seconds(
+        "all_gather", 8, activations, h100.intra) - pl.collective_seconds("all_gather", 8, activations / 2,
+                                                                           h100.intra)), rel_tol=1e-9)
     assert (LLAMA2_7B.layer_weight_tensors, MIXTRAL.layer_weight_tensors, gpt.layer_weight_tensors) == (9, 31, 12)
 
 
