@@ -32,9 +32,9 @@ GPUS = {
     "H100-80GB": ("H100 SXM", {}),
     "H100-96GB": ("H100 SXM", {"memory_bytes": 96 * GIB, "hbm_bandwidth": 2.4e12, "peak_flops": GRAND_TETON_PEAK,
                                "fp8_flops": 2 * GRAND_TETON_PEAK}),
-    "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=3e-6, beta=0.8 * 200e9)}),
+    "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=pl.H100_SXM.intra.alpha, beta=0.8 * 200e9)}),
 }
-ALPHA_INTER = 10e-6  # seconds per message between nodes, as the planner's devices take it
+ALPHA_INTER = pl.H100_SXM.inter.alpha  # seconds per step between nodes, as the planner's devices take it
 
 
 # ---------------------------------------------------------------- a record
