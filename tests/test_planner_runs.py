@@ -31,7 +31,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Every trained layout fits (73 of 73): Narayanan et al.'s ZeRO-3 530B on 640 GPUs since DeepSpeed 0.3's buffers
 # (one weight tensor gathered at a time, whole gradients until their reduce-scatter) and the last rank's logits
 # freed before its recomputation are counted: 84.4 GB of 85.9 (93 before), its neighbour on 560 GPUs 86.4 (OOM).
-# The published split within 10% of the planner's best: 45 of 73 searched runs (62%), 51 of 73 (70%) among the choices
+# The published split within 10% of the planner's best: 45 of 73 searched runs (62%), 53 of 73 (73%) among the choices
 # each run's framework offered (utils.planner_runs.LAYOUT_REASONS). Every layout of a run's search is priced with its
 # framework's settings (no sequence parallel before 2022, eager kernels, Float8, AsyncTP, DeepSpeed's pipeline engine:
 # pr.framework_settings) and given only what that framework offered: its ZeRO stages (none before Megatron-LM's
@@ -47,7 +47,8 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # MT-NLG's 2,240 GPUs (1.25): the best is a deeper pipeline without recomputation, at 59-85 GB, where Megatron's
 # rules took the smallest model-parallel size that fits with full recomputation; Llama 3 405B at 8K (1.37, 1.40);
 # torchtitan's benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.11, 405B
-# schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.22); OPT (1.29; 1.00 among what metaseq offered);
+# schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.21, 1.00 among FSDP alone, all their table reports:
+# 51 of 73 among what was offered before); OPT (1.29; 1.00 among what metaseq offered);
 # DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE activations). Each with its
 # reason (format_layout_ranks). Communication as NCCL runs it (comm7): a ring across nodes pays the network's
 # latency once per node, at NCCL's 14 us a step (3.4 on NVLink), and Float8's tensor-parallel all-gathers move 1
@@ -55,7 +56,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # 1.16 -> 1.11 in layout. Every latency term zeroed moves no layout across 10% (45 either way); NCCL's ring
 # bandwidth across nodes with several ranks of a group per node (one NIC each) would move the table away from its
 # sources (utils/planner/communication.py, known limit).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.61, 0.69  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.61, 0.72  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 

@@ -1112,8 +1112,8 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "a benchmark of FSDP alone (Tables 1 and 3: eager, torch.compile, Float8), at selective recomputation",
         TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan \d+B A100": Reason(
-        "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
-        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),
+        "a benchmark of FSDP alone on 64 A100s ('infra metrics achieved by FSDP2 (1D parallelism)'; 2D as loss only)",
+        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)", {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan 8B FSDP \d+ CP ": Reason(
         "a benchmark of FSDP x CP on 8 GPUs as the sequence grows (Float8, torch.compile, full recomputation)",
         TORCHTITAN.format(2), {"tp": {1}, "pp": {1}}),
