@@ -286,6 +286,19 @@ def test_a_ring_across_nodes_crosses_the_network_once_per_node():
     assert pl.group_links(cluster, pl.Config(pp=64, tp=4))["pp"] == (64, INFINIBAND)  # sends: not a ring
 
 
+def test_fsdps_latency_grows_with_the_nodes_its_ring_crosses():
+    """A Llama 3 8B layer's gather on 256 H100s (NCCL's 3.4 us a step on NVLink, 14 across nodes): FSDP alone, 8
+    ranks a node, pays the network's latency at 31 of 255 steps, about a tenth of the bytes' time; under tensor
+    parallel 8, one rank a node, at every step, with an eighth of the bytes: latency is then most of it."""
+    h100 = pl.cluster("H100 SXM", 2048)
+    layer = 218_112_000 * 2  # bytes of one layer's weights in bf16
+    for tp, per_node, share in ((1, 8, (0.1, 0.15)), (8, 1, (0.7, 0.8))):
+        n, link = pl.group_links(h100, pl.Config(dp=256, tp=tp))["dp"]
+        assert link.alpha * (n - 1) == pytest.approx(((n - n // per_node) * 3.4e-6 + (n // per_node - 1) * 14e-6))
+        total = pl.collective_seconds("all_gather", n, layer / tp, link)
+        assert share[0] < (n - 1) * link.alpha / total < share[1], tp
+
+
 def test_step_time_at_a_fixed_mfu_by_hand():
     """With cluster.mfu fixed, compute is the model's FLOPs at that share of peak, element-wise work free."""
     config = pl.Config(dp=2, tp=2, pp=2, cp=1, micro_batch_size=1, zero_stage=0)
