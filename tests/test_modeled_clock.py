@@ -276,7 +276,8 @@ def test_the_mlp_data_parallel_costs_are_the_planners():
     costs = mc.mlp_data_parallel_costs(4, recorded_weight_bytes=16 * 16 * 8)
     cluster = pl.cluster("H100 SXM", 64)
     h, rows = 8192, 32768
-    assert costs.all_reduce(16 * 16 * 8) == pl.collective_seconds("all_reduce", 64, h * h * 2, cluster.inter)
+    link = pl.group_links(cluster, pl.Config(dp=64))["dp"][1]  # NCCL's ring of 8 nodes of 8
+    assert costs.all_reduce(16 * 16 * 8) == pl.collective_seconds("all_reduce", 64, h * h * 2, link)
     assert costs.forward[0] > pl.matmul_seconds(rows, h, h, cluster)  # the product, and GELU
     assert costs.backward[0] < costs.backward[1]  # the first layer computes no input gradient
     assert "64 H100 SXM in 8 nodes of 8 (InfiniBand)" in costs.where

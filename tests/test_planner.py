@@ -191,6 +191,12 @@ def test_the_runs_frameworks_cost_what_they_do():
     assert math.isclose(asynctp["tp_s"], LLAMA2_70B.num_layers * 2 * scatter, rel_tol=1e-9)
     assert math.isclose(plain["tp_s"], 2 * asynctp["tp_s"] + 2 * LLAMA2_70B.num_layers * 2 * pl.collective_seconds(
         "all_gather", 8, activations, h100.intra), rel_tol=1e-9)
+    # Float8 with tensor parallel (torchao's Float8ColwiseParallel, Float8RowwiseParallel): the all-gathers in 1-byte
+    # elements, forward and backward; the reduce-scatters of 16-bit outputs and input gradients as before
+    fp8 = pl.estimate(LLAMA2_70B, h100, 8, dataclasses.replace(tp8, float8=True))
+    assert math.isclose(fp8["tp_s"], plain["tp_s"] - 2 * LLAMA2_70B.num_layers * 2 * (pl.collective_seconds(
+        "all_gather", 8, activations, h100.intra) - pl.collective_seconds("all_gather", 8, activations / 2,
+                                                                           h100.intra)), rel_tol=1e-9)
     assert (LLAMA2_7B.layer_weight_tensors, MIXTRAL.layer_weight_tensors, gpt.layer_weight_tensors) == (9, 31, 12)
 
 
@@ -258,8 +264,39 @@ def test_groups_fill_a_node_from_the_inside():
     cluster = pl.Cluster(64, 8, 80e9, NVLINK, INFINIBAND, 1e15)
     links = pl.group_links(cluster, pl.Config(dp=2, tp=4, pp=4, cp=2))
     assert links["tp"] == (4, NVLINK) and links["cp"] == (2, NVLINK)  # 4 x 2 = one node
-    assert links["dp"] == (4, INFINIBAND) and links["pp"] == (4, INFINIBAND)
+    # the data group, 2 of its 4 ranks in each node: a ring of 3 steps, 1 between the nodes (below)
+    assert links["dp"] == (4, pl.Link((2 * NVLINK.alpha + INFINIBAND.alpha) / 3, INFINIBAND.beta))
+    assert links["pp"] == (4, INFINIBAND)
     assert pl.group_links(cluster, pl.Config(dp=8, tp=8))["tp"] == (8, NVLINK)
+
+
+def test_a_ring_across_nodes_crosses_the_network_once_per_node():
+    """NCCL's ring enters and leaves each node once: of a group's n - 1 steps, nodes - 1 pay the network's latency,
+    the rest NVLink's (NCCL's tuning.cc); a group of one rank per node pays the network's at every step, and a
+    pipeline's sends between neighbours the network's."""
+    cluster = pl.Cluster(256, 8, 80e9, NVLINK, INFINIBAND, 1e15)
+    n, link = pl.group_links(cluster, pl.Config(dp=256))["dp"]
+    size = 1e9
+    assert math.isclose(pl.collective_seconds("all_gather", n, size, link),
+                        224 * NVLINK.alpha + 31 * INFINIBAND.alpha + 255 / 256 * size / INFINIBAND.beta)
+    assert math.isclose(pl.collective_seconds("all_reduce", n, size, link),
+                        2 * (224 * NVLINK.alpha + 31 * INFINIBAND.alpha) + 2 * 255 / 256 * size / INFINIBAND.beta)
+    assert pl.group_links(cluster, pl.Config(dp=32, tp=8))["dp"] == (32, INFINIBAND)  # one rank per node
+    assert pl.group_links(cluster, pl.Config(pp=32, tp=8))["pp"] == (32, INFINIBAND)
+    assert pl.group_links(cluster, pl.Config(pp=64, tp=4))["pp"] == (64, INFINIBAND)  # sends: not a ring
+
+
+def test_fsdps_latency_grows_with_the_nodes_its_ring_crosses():
+    """A Llama 3 8B layer's gather on 256 H100s (NCCL's 3.4 us a step on NVLink, 14 across nodes): FSDP alone, 8
+    ranks a node, pays the network's latency at 31 of 255 steps, about a tenth of the bytes' time; under tensor
+    parallel 8, one rank a node, at every step, with an eighth of the bytes: latency is then most of it."""
+    h100 = pl.cluster("H100 SXM", 2048)
+    layer = 218_112_000 * 2  # bytes of one layer's weights in bf16
+    for tp, per_node, share in ((1, 8, (0.1, 0.15)), (8, 1, (0.7, 0.8))):
+        n, link = pl.group_links(h100, pl.Config(dp=256, tp=tp))["dp"]
+        assert link.alpha * (n - 1) == pytest.approx(((n - n // per_node) * 3.4e-6 + (n // per_node - 1) * 14e-6))
+        total = pl.collective_seconds("all_gather", n, layer / tp, link)
+        assert share[0] < (n - 1) * link.alpha / total < share[1], tp
 
 
 def test_step_time_at_a_fixed_mfu_by_hand():
@@ -336,7 +373,7 @@ def test_zero2_without_prefetch_gathers_each_layer_on_demand_once_per_step():
     config = pl.Config(dp=64, zero_stage=2, micro_batch_size=8, recompute="full")
     dp = {p: {b: pl.estimate(model, cluster, b, dataclasses.replace(config, prefetch=p))["dp_s"] for b in (512, 2048)}
           for p in (True, False)}
-    n, link = 64, cluster.inter
+    n, link = pl.group_links(cluster, config)["dp"]  # a ring of 8 nodes of 8
     gather = pl.collective_seconds("all_gather", n, model.layer_dense_params * model.param_bytes, link)
     assert math.isclose(dp[False][512] - dp[True][512], (model.num_layers - 1) * gather, rel_tol=1e-9)
     assert math.isclose(dp[False][2048] - dp[True][2048], dp[False][512] - dp[True][512])  # once per step

@@ -32,9 +32,9 @@ GPUS = {
     "H100-80GB": ("H100 SXM", {}),
     "H100-96GB": ("H100 SXM", {"memory_bytes": 96 * GIB, "hbm_bandwidth": 2.4e12, "peak_flops": GRAND_TETON_PEAK,
                                "fp8_flops": 2 * GRAND_TETON_PEAK}),
-    "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=3e-6, beta=0.8 * 200e9)}),
+    "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=pl.H100_SXM.intra.alpha, beta=0.8 * 200e9)}),
 }
-ALPHA_INTER = 10e-6  # seconds per message between nodes, as the planner's devices take it
+ALPHA_INTER = pl.H100_SXM.inter.alpha  # seconds per step between nodes, as the planner's devices take it
 
 
 # ---------------------------------------------------------------- a record
@@ -1159,8 +1159,8 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "a benchmark of FSDP alone (Tables 1 and 3: eager, torch.compile, Float8), at selective recomputation",
         TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan \d+B A100": Reason(
-        "a benchmark of FSDP alone on 64 A100s, torchtitan's first published numbers",
-        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)"),
+        "a benchmark of FSDP alone on 64 A100s ('infra metrics achieved by FSDP2 (1D parallelism)'; 2D as loss only)",
+        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)", {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"torchtitan 8B FSDP \d+ CP ": Reason(
         "a benchmark of FSDP x CP on 8 GPUs as the sequence grows (Float8, torch.compile, full recomputation)",
         TORCHTITAN.format(2), {"tp": {1}, "pp": {1}}),

@@ -3,7 +3,26 @@
 `message_seconds` and `collective_seconds` are the two primitives a replay of recorded steps uses (issue 42): one
 cost model for the planner and the replay. The mesh is (pp, dp, cp, tp), tp innermost: a group whose ranks fit in
 one node talks over the intra-node link (NVLink), any other over the inter-node one (InfiniBand).
+
+What each term was checked against (the constants are the devices', describe.py):
+    bandwidth in a node  0.8 of NVLink one way: 360 GB/s on an H100, where nccl-tests reach about 370 (NVIDIA/nccl
+                         issue 1374); 240 on an A100, where they reach 208-235 (NVIDIA/nccl-tests issues 100, 178).
+    latency per step     NCCL's own model for its Simple protocol (src/graph/tuning.cc): 3.4 us on NVLink, 14 us
+                         across nodes, paid across nodes only nodes - 1 times in a ring (group_link).
+    across nodes         one NIC's bandwidth per rank, 0.9 of it. Known limit: NCCL's ring enters and leaves each
+                         node once, so a group with g ranks in each node uses g NICs ("~12 GB/s with each NIC, then ~24
+                         when using 2 NICs", S. Jeaugey, NVIDIA/nccl issue 307; 256 H100s all-gather at 200 GB/s
+                         of bus bandwidth, issue 1218). Priced so (g x 45 GB/s, up to NVLink's), the table moves away
+                         from its sources: Narayanan et al.'s DeepSpeed 0.3 ZeRO-3 rows go from 0.88-1.00 to 1.25-2.23
+                         and tensor parallel 16 across two nodes costs what 8 in one does; throughput within 15% falls
+                         from 65 to 58 of 72 runs, layouts within 10% from 45 to 42 of 73. Not priced until those
+                         rows have another explanation.
+    not priced           NCCL's base latency per collective (6.6 us), its LL and LL128 protocols (less latency, less
+                         bandwidth: kilobytes to a few megabytes), its tree all-reduce: all alpha terms together move
+                         no published layout into or out of 10% (zeroed: 45 of 73 either way).
 """
+from utils.planner.describe import Link
+
 BACKENDS = ("ring", "gloo")
 
 
@@ -38,10 +57,22 @@ def collective_seconds(op, world_size, size, link):
     return steps * link.alpha + collective_bytes(op, world_size, size) / link.beta
 
 
-def group_link(cluster, stride, size):
+def group_link(cluster, stride, size, ring=True):
     """The link a group of `size` ranks, `stride` apart on the mesh, runs at: intra-node when its ranks span at most
-    one node's devices (inner axes first), inter-node otherwise."""
-    return cluster.intra if stride * size <= cluster.devices_per_node else cluster.inter
+    one node's devices (inner axes first), inter-node otherwise. A collective across nodes runs as NCCL's ring, which
+    enters and leaves each node once ("Ring Allreduce requires data to go through each GPU and enter/exit the node
+    once", S. Jeaugey, NVIDIA/nccl issue 687): with g of the group's ranks in each node, of its size - 1 steps,
+    size/g - 1 cross the network and the rest NVLink (NCCL's own latency model counts them so: src/graph/tuning.cc,
+    nInterSteps = nNodes - 1 for an all-gather or reduce-scatter, 2 (nNodes - 1) for an all-reduce). Its alpha is
+    the mean over those steps; ring False (a pipeline's sends between neighbours): the network's."""
+    if stride * size <= cluster.devices_per_node:
+        return cluster.intra
+    per_node = cluster.devices_per_node // stride if stride < cluster.devices_per_node else 1
+    if per_node <= 1 or not ring:
+        return cluster.inter
+    nodes = -(-size // per_node)
+    alpha = ((size - nodes) * cluster.intra.alpha + (nodes - 1) * cluster.inter.alpha) / (size - 1)
+    return Link(alpha, cluster.inter.beta)
 
 
 def group_links(cluster, config):
@@ -50,4 +81,4 @@ def group_links(cluster, config):
     c = config
     return {"tp": (c.tp, group_link(cluster, 1, c.tp)), "cp": (c.cp, group_link(cluster, c.tp, c.cp)),
             "ep": (c.ep, group_link(cluster, c.tp, c.ep)), "dp": (c.dp * c.cp, group_link(cluster, c.tp, c.dp * c.cp)),
-            "pp": (c.pp, group_link(cluster, c.tp * c.cp * c.dp, c.pp))}
+            "pp": (c.pp, group_link(cluster, c.tp * c.cp * c.dp, c.pp, ring=False))}

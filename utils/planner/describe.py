@@ -308,7 +308,12 @@ class GPU:
 # dense BF16, HBM2e 2.039 TB/s, 81920 MiB; NVLink 3: 600 GB/s both directions, 300 one way; DGX A100 / Selene
 # (Narayanan et al. 2021, section 5): 8 HDR InfiniBand NICs at 200 Gb/s per node, one per GPU: 25 GB/s.
 # What collectives reach of a link (assumed, of the size nccl-tests' bus bandwidths show): 0.8 of NVLink, 0.9 of
-# InfiniBand. Latency per ring step: a few microseconds on NVLink, about 10 on InfiniBand.
+# InfiniBand (nccl-tests on 8 H100s reach about 370 GB/s of NVLink 4's 450 one way: NVIDIA/nccl issue 1374). Latency
+# per ring step, NCCL's own model for its Simple protocol, which carries the megabytes of a layer (NVIDIA/nccl,
+# src/graph/tuning.cc, hwLatencies): 3.4 us on NVLink, 14 us on the network (a ring across nodes pays it once per
+# node: communication.group_link). Left out: its base latency of 6.6 us per collective (under 1% of a layer's
+# collective at the sizes the runs move), and its LL and LL128 protocols (lower latency, half or 0.92 of the
+# bandwidth: chosen only for messages of kilobytes).
 # The efficiency curve (compute.py): large BF16 GEMMs reach about 0.75 of peak, as cuBLAS's published plots show for
 # H100 ("New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs", NVIDIA blog, 2023);
 # the same 0.75 on A100 brings Narayanan et al. 2021 Table 1's two smallest runs (1.7B and 3.6B parameters, where
@@ -316,10 +321,10 @@ class GPU:
 # together with compute.ELEMENTWISE_TRAFFIC; the other eight rows are predictions.
 # The same datasheet's dense FP8 peak, 1978.9 TFLOP/s (3958 with sparsity), twice BF16's; the A100 has no FP8.
 H100_SXM = GPU("H100 SXM", peak_flops=989.4e12, hbm_bandwidth=3.35e12, memory_bytes=81559 * MIB,
-               intra=Link(alpha=3e-6, beta=0.8 * 450e9), inter=Link(alpha=10e-6, beta=0.9 * 50e9),
+               intra=Link(alpha=3.4e-6, beta=0.8 * 450e9), inter=Link(alpha=14e-6, beta=0.9 * 50e9),
                matmul_efficiency=0.75, fp8_flops=1978.9e12)
 A100_80GB = GPU("A100 80GB", peak_flops=312e12, hbm_bandwidth=2.039e12, memory_bytes=81920 * MIB,
-                intra=Link(alpha=3e-6, beta=0.8 * 300e9), inter=Link(alpha=10e-6, beta=0.9 * 25e9),
+                intra=Link(alpha=3.4e-6, beta=0.8 * 300e9), inter=Link(alpha=14e-6, beta=0.9 * 25e9),
                 matmul_efficiency=0.75)
 GPUS = {gpu.name: gpu for gpu in (H100_SXM, A100_80GB)}
 

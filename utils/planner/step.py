@@ -5,7 +5,8 @@ once per step; the optimizer.
 Overlap is decided layer by layer: a transfer hides behind the computation it runs beside, and what is longer
 than that computation is exposed.
     tp  per layer, pass and column/row pair (2 per dense layer, 1 per MoE layer): an all-gather and a
-        reduce-scatter of the micro-batch's activations M = b (s/cp) h e (sequence parallel, notebook 09); exposed,
+        reduce-scatter of the micro-batch's activations M = b (s/cp) h e (sequence parallel, notebook 09; with
+        Float8, the all-gather in 1-byte elements, as torchao's float8 tensor parallel casts before it); exposed,
         unless Config.tp_overlap (AsyncTP), then what the layer's products do not hide; backward, the reduce-scatters
         of the column-parallel products' summed input gradients stay exposed (they fuse with no one product).
     cp  ring attention (notebook 09): keys and values of the rank's heads, K = 2 b (s/cp) kv/t e, hop cp - 1 times
@@ -142,7 +143,14 @@ def _layer_terms(model, cluster, config):
 
     # per layer and micro-batch: exposed communication, forward and backward
     pairs = 1 if model.moe else 2
-    gathers, scatters = (pairs * on("tp", op, activations) for op in ("all_gather", "reduce_scatter"))
+    # Float8 (Config.float8) with tensor parallel: torchao's Float8ColwiseParallel, Float8RowwiseParallel and
+    # PrepareFloat8ModuleInput (torchao/float8/float8_tensor_parallel.py), which torchtitan applies with Float8 and TP
+    # (torchtitan/parallelisms/parallelize_llama.py at 9dec370), cast each input to float8 before its all-gather and,
+    # backward, each output's gradient before its all-gather: the gathers move 1 byte an element; the reduce-scatters
+    # (of the products' 16-bit outputs and input gradients) 2
+    gathered = tokens * model.dim * (1 if c.float8 else e)
+    gathers = pairs * on("tp", "all_gather", gathered)
+    scatters = pairs * on("tp", "reduce_scatter", activations)
     tp_pass = gathers + scatters
     tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
     # AsyncTP backward (PyTorch's micro-pipeline TP, torch/_inductor/fx_passes/micro_pipeline_tp.py): a gather is
@@ -165,7 +173,7 @@ def _layer_terms(model, cluster, config):
     # 2.1.2: a token's experts on at most topk_group nodes) at most topk_group copies cross between nodes, the rest
     # forwarded over NVLink inside the node beside them (section 3.2.2)
     copies = model.top_k * model.capacity_factor
-    if model.topk_group and links["ep"][1] is cluster.inter:
+    if model.topk_group and links["ep"][1] is not cluster.intra:
         copies = min(copies, model.topk_group)
     a2a = on("ep", "all_to_all", tokens / t * copies * model.dim * e) if model.moe else 0
     ep_f = ep_b = 2 * a2a
