@@ -1133,7 +1133,7 @@ LLAMA3_SOURCE = "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783
 _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reason of every run it names
     r"megatron21 ZeRO-3 ": Reason(
         "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
-        f"{NARAYANAN}, section 5.2 and Table 2"),
+        f"{NARAYANAN}, section 5.2 and Table 2", {"tp": {1}, "pp": {1}, "cp": {1}}),
     r"megatron21 (145\.6B|PTD-P 174\.6B)": Reason(
         "t 8 x p 16 without recomputation (16 micro-batches in flight) ran out of memory in Figure 17",
         f"{FIGURE_17}; counted without Layout.uncounted_activations, 72 GB (tests/test_planner_runs.py)",
