@@ -43,31 +43,31 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # ZeRO 0 then 41 (57%), 47 (65%), and its even stages 44 (61%), 50 (69%); Megatron-LM's README GPT-3 175B run added,
 # within. Of the 23 beyond 10% (pr.format_layout_terms gives each one's step time term by term): Narayanan et al.'s six
 # ZeRO-3 baselines (1.40-4.73: the paper's point; 1.00 among ZeRO-3 without model parallelism, the composition each
-# stands for, which makes 64 of 73, 88%, among what was offered); MT-NLG's 2,240 GPUs (1.25): the best is a deeper pipeline without
-# recomputation, at 61 GB, where Megatron's rules took the smallest model-parallel size that fits with full
-# recomputation; Llama 3 405B at 8K (1.37, 1.40); torchtitan's benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128
-# 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.21, 1.00 among FSDP alone, all their table reports); OPT (1.29;
-# 1.00 among what metaseq offered); DeepSeek-V3 (1.30: its published split needs full recomputation in the planner's MoE
-# activations). Each with its reason (format_layout_ranks).
+# stands for, which makes 64 of 73, 88%, among what was offered); MT-NLG's 2,240 GPUs (1.25): the best is a deeper
+# pipeline without recomputation, at 61 GB, where Megatron's rules took the smallest model-parallel size that fits with
+# full recomputation; Llama 3 405B at 8K (1.37, 1.40); torchtitan's benchmark tables (8B FSDP x CP 1.24-1.27, eager
+# FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.21, 1.00
+# among FSDP alone, all their table reports); OPT (1.29; 1.00 among what metaseq offered); DeepSeek-V3 (1.30: its
+# published split needs full recomputation in the planner's MoE activations). Each with its reason
+# (format_layout_ranks).
 # Memory without recomputation, as real runs held it: the best split of Megatron 2021's 145.6B was t 8 x p 16, micro-
 # batch 1, 1F1B, no recomputation: Narayanan et al.'s Figure 17 run (pr.FIGURE_17), which ran out of 80 GB at 16
 # micro-batches in flight. The paper's "up to 2x" over the best batch without recomputation is batch 8's bubble in the
 # planner's own times (2.06x; batch 16 would give 1.38x), and 1F1B holds the same 16 from batch 16 on. The planner
 # counted 72.3 GB there (47.3 at 8), margins included: 13.6 GB or more short. Now counted: Megatron-LM of 2021 kept
-# every in-flight stage output until its backward (before deallocate_output_tensor, 2022-01: +0.8 GB there, up to
-# 8.8 GB on 87 interleaved pieces; Config.keep_stage_outputs), and held at least 1.27 times the counted activations
-# without recomputation (Config.uncounted_activations = pr.UNCOUNTED_2021, 0.3, the bound rounded up; no tensor
-# named for it: Korthikanti et al.'s count names every tensor that code saves, and PyTorch's allocator of 2021 had no
-# expandable segments; GMLake, ASPLOS'24, took 15 points, up to 33, of fragmentation off it in LLM training). With
-# both, Megatron 2021's 145.6B (1.26 -> 1.00), Table 2's PTD-P 174.6B rows (1.23-1.30 -> 1.06-1.09) and 39.1B
-# (1.10 -> 1.08) are within 10%: 50 of 73 (68%), 56 of 73 (77%) among what each framework offered; throughput, fits
-# and OOM unchanged. MT-NLG (DeepSpeed's pipeline, its best pp 56 without recomputation at 61 GB) has no such
-# measurement and keeps its reason.
-# Communication as NCCL runs it: a ring across nodes pays the network's latency once per node, at NCCL's 14 us a step
-# (3.4 on NVLink), and Float8's tensor-parallel all-gathers move 1 byte an element (torchao): layout and throughput
-# unchanged; torchtitan's 70B 2D row 0.88 -> 0.93 in throughput, 1.16 -> 1.11 in layout. Every latency term zeroed
-# moves no layout across 10%; NCCL's ring bandwidth across nodes with several ranks of a group per node (one NIC each)
-# would move the table away from its sources (utils/planner/communication.py, known limit).
+# every in-flight stage output until its backward (before deallocate_output_tensor, 2022-01: +0.8 GB there, up to 8.8
+# GB on 87 interleaved pieces; Config.keep_stage_outputs), and held at least 1.27 times the counted activations without
+# recomputation (Config.uncounted_activations = pr.UNCOUNTED_2021, 0.3, the bound rounded up; no tensor named for it:
+# Korthikanti et al.'s count names every tensor that code saves, and PyTorch's allocator of 2021 had no expandable
+# segments; GMLake, ASPLOS'24, took 15 points, up to 33, of fragmentation off it in LLM training). With both, Megatron
+# 2021's 145.6B (1.26 -> 1.00), Table 2's PTD-P 174.6B rows (1.23-1.30 -> 1.06-1.09) and 39.1B (1.10 -> 1.08) are
+# within 10%: 50 of 73 (68%), 56 of 73 (77%) among what each framework offered; throughput, fits and OOM unchanged.
+# MT-NLG (DeepSpeed's pipeline, its best pp 56 without recomputation at 61 GB) has no such measurement and keeps its
+# reason. Communication as NCCL runs it: a ring across nodes pays the network's latency once per node, at NCCL's 14 us
+# a step (3.4 on NVLink), and Float8's tensor-parallel all-gathers move 1 byte an element (torchao): layout and
+# throughput unchanged; torchtitan's 70B 2D row 0.88 -> 0.93 in throughput, 1.16 -> 1.11 in layout. Every latency term
+# zeroed moves no layout across 10%; NCCL's ring bandwidth across nodes with several ranks of a group per node (one NIC
+# each) would move the table away from its sources (utils/planner/communication.py, known limit).
 LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.68, 0.87  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
