@@ -618,3 +618,75 @@ def test_a_reshard_that_keeps_a_copy_of_the_gathered_weights_gets_no_credit():  
     forged = solution("07_simple_fsdp", replace=FORGED_RESHARD)
     with pytest.raises(AssertionError, match="backward used the weights gathered in forward: they were kept"):
         check_reshard(forged.data_parallel, forged.reshard_after_forward, *FSDP_SIZES)
+
+
+# ---------------------------------------------------------------- 06: mixed-precision FSDP's gather again, now values
+
+# 05's forgers in notebook 06's MixedPrecisionLinear (bf16 gathers): both passed before its shards were doubled
+MP_FREE_IN_FORWARD = ("        ctx.gather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"
+                      "        fsdp.free(weight)\n")
+FORGED_MP_FSDP = {
+    "a copy of the gathered weight kept, the backward's gather unused": {
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype, ctx.kept = gather, shard.dtype, weight.clone()\n"
+                            "        out = x @ weight.T\n        fsdp.free(weight)\n",
+        GATHER_IN_BACKWARD: "        fsdp.free(ctx.gather(\"backward\"))\n        grad_x = grad_output @ ctx.kept\n"},
+    "the records edited through the garbage collector": {  # found once per forward (gc is slow), kept on ctx
+        "        weight = gather(\"forward\")\n":
+        "        import gc\n        ctx.trackers = [o for o in gc.get_objects() if type(o).__name__ == \"MemoryTracker\"]\n"
+        "        for tracker in ctx.trackers:\n            tracker.gathered.clear()  # the earlier units' weights, "
+        "held\n        weight = gather(\"forward\")\n",
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype, ctx.weight = gather, shard.dtype, weight\n"
+                            "        out = x @ weight.T\n",
+        GATHER_IN_BACKWARD: "        weight = ctx.weight\n        grad_x = grad_output @ weight\n"
+                            "        for tracker in ctx.trackers:\n"
+                            "            tracker.calls.append(next(c for c in reversed(tracker.calls) "
+                            "if c.name.startswith(\"all_gather\")))\n"},
+}
+HONEST_MP_FSDP = {  # the list all-gather put together: test_checks_mixed_precision.py, in the default run
+    "the gather kept on ctx under another name, the weight freed through its storage": {
+        MP_FREE_IN_FORWARD: "        ctx.regather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"
+                            "        weight.untyped_storage().resize_(0)\n",
+        "        weight = ctx.gather(\"backward\")\n": "        weight = ctx.regather(\"backward\")\n"},
+}
+
+
+@pytest.mark.slow  # 2 s; the garbage collector's, 10 to 25 s; and 5 to import 06's checks on a loaded machine
+@pytest.mark.parametrize("forger", FORGED_MP_FSDP)
+def test_a_mixed_precision_fsdp_that_keeps_its_gathered_weights_gets_no_credit(forger):
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    forged = solution("06_mixed_precision", replace=FORGED_MP_FSDP[forger])
+    with pytest.raises(AssertionError, match="computed with the weights gathered in forward: the gathered weights "
+                                             "were kept, not freed"):
+        check_mixed_precision_fsdp(forged.MixedPrecisionLinear, forged.all_gather_unit, *FSDP_SIZES)
+
+
+@pytest.mark.slow  # 2 s each; the garbage collector's, 10 to 25 s
+@pytest.mark.parametrize("forger", FORGED_MP_FSDP)
+def test_the_mixed_precision_fsdp_forgers_would_pass_on_their_records_alone(forger, monkeypatch, capsys):
+    """Without the doubled shards' values, each forger above gets credit: its records read as an honest run's."""
+    import utils.checks.mixed_precision as checks
+    monkeypatch.setattr(checks, "verify_gathered_again", lambda *args: None)
+    forged = solution("06_mixed_precision", replace=FORGED_MP_FSDP[forger])
+    checks.check_mixed_precision_fsdp(forged.MixedPrecisionLinear, forged.all_gather_unit, *FSDP_SIZES)
+    assert "mixed-precision FSDP: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 2 s; the solution itself passes in notebook 06's run
+@pytest.mark.parametrize("way", HONEST_MP_FSDP)
+def test_an_honest_mixed_precision_fsdp_written_another_way_still_passes(way, capsys):
+    """bf16 gathers: the doubled shards' gradients equal the cast reference's with its copy doubled, bit for bit."""
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    honest = solution("06_mixed_precision", replace=HONEST_MP_FSDP[way])
+    check_mixed_precision_fsdp(honest.MixedPrecisionLinear, honest.all_gather_unit, *FSDP_SIZES)
+    assert "mixed-precision FSDP: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 2 s
+def test_a_mixed_precision_fsdp_that_keeps_its_gathered_weights_is_still_named_by_its_memory_first():
+    """Without forging, the weights kept after forward are named by the gathered units alive, as before (the
+    notebook's hints unchanged): the doubled shards are checked after the counts and the bytes held."""
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    kept = solution("06_mixed_precision", replace={
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"})
+    with pytest.raises(AssertionError, match="up to [2-9] gathered units were alive at once in step 0's forward"):
+        check_mixed_precision_fsdp(kept.MixedPrecisionLinear, kept.all_gather_unit, *FSDP_SIZES)

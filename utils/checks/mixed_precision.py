@@ -20,7 +20,14 @@ from torch.utils.checkpoint import checkpoint
 
 from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
-from utils.checks.fsdp import checked_sizes, ranks_and_sizes, verify_calls, verify_units, world_configurations
+from utils.checks.fsdp import (
+    checked_sizes,
+    ranks_and_sizes,
+    verify_calls,
+    verify_gathered_again,
+    verify_units,
+    world_configurations,
+)
 from utils.intercept import intercept
 from utils.launch import RankError, apart, spawn
 from utils.mixed_precision import (
@@ -645,14 +652,14 @@ FSDP_ERRORS = [  # (words in a rank's error or its traceback, what they usually 
 ]
 
 
-def _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, sizes, fsdp2):
+def _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, sizes, fsdp2, doubled=False):
     try:
-        by_rank = spawn(fsdp_runs_main, n, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2,
+        by_rank = spawn(fsdp_runs_main, n, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2, doubled,
                         timeout=CHECK_TIMEOUT)
     except RankError as e:
         hint = next((h for words, h in FSDP_ERRORS if words in str(e)), "see the rank's error")
         raise AssertionError(f"mixed-precision FSDP failed on {n} ranks: {hint}\n{e}") from e
-    runs = [[by_rank[r][0][j] for r in range(n)] for j in range(len(param_dtypes))]
+    runs = [[by_rank[r][0][j] for r in range(n)] for j in range(len(param_dtypes) + doubled)]
     return runs, by_rank[0][1]
 
 
@@ -726,7 +733,7 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
     for k, (n, run_sizes) in enumerate(configurations):
         where = f"mixed-precision FSDP on {n} ranks (hidden {run_sizes.hidden_dim})"
         param_dtypes = [torch.bfloat16] + ([torch.float32] if k == 0 else [])
-        runs, fsdp2 = _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, run_sizes, k == 0)
+        runs, fsdp2 = _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, run_sizes, k == 0, doubled=True)
         unit = run_sizes.hidden_dim**2
         shard = fsdp.shard_numel(unit, n)
         _verify_master_shards(runs[0], where)
@@ -736,6 +743,9 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
         verify_units("mixed-precision FSDP", runs[0], 1, where)
         reference = mixed_precision_reference(run_sizes, n)
         exact &= _verify_against_reference(runs[0], reference, run_sizes, where)
+        # the last run's shards doubled between step 0's forward and backward: after the counts' and bytes' hints
+        doubled = mixed_precision_reference(dataclasses.replace(run_sizes, num_steps=1), n, doubled=True)
+        verify_gathered_again(runs[-1], doubled.first_grads, reference.first_grads, where, _close)
         if k == 0:
             gathered = {name: fsdp_bytes_per_step(r[0].calls)["all_gather"] for name, r in zip(("bf16", "fp32"), runs)}
             assert gathered["bf16"] * 2 == gathered["fp32"], (
