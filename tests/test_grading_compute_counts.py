@@ -13,11 +13,12 @@ input recomputes, which is the exercise.
   depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
   gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
   12's 3-D step likewise: its check chains the stages' layers for one more step on the (2, 2, 1) mesh.
-- 05's FSDP and 07's reshard_after_forward: that backward gathers the weights again is now shown by values (every
-  shard doubled between step 0's forward and backward: only a backward that gathers again meets the doubled
-  weights), so one that keeps the weights gathered in forward (a copy, or the gathered weights with the records
-  edited) gets no credit; honest answers written another way still pass. That forward freed them is still shown by
-  the bytes held only.
+- 05's FSDP, 06's mixed-precision FSDP (bf16 gathers) and 07's reshard_after_forward: that backward gathers the
+  weights again is now shown by values (every shard doubled between step 0's forward and backward: only a backward
+  that gathers again meets the doubled weights), so one that keeps the weights gathered in forward (a copy, or the
+  gathered weights with the records edited) gets no credit; honest answers written another way still pass. That
+  forward freed them is still shown by the bytes held only (and 07's FlatUnit, which rightly keeps what forward
+  gathered, by the bytes held alone).
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.

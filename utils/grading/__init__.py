@@ -96,11 +96,16 @@ For each: the count, the wrong answers it exists to catch, and whether the value
     05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
        12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
                               gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
-                              Values: the same; so 05's check_fsdp and 07's check_reshard also double every shard
-                              between step 0's forward and backward (in place, unseen by autograd), where a backward
-                              that gathers the weights again meets the new ones and one that kept the forward's (or
-                              a copy) the old: the inputs' gradients, and through them the earlier layers' weight
-                              gradients, show whether backward gathered again (not whether forward freed).
+                              Values: the same; so 05's check_fsdp, 06's check_mixed_precision_fsdp and 07's
+                              check_reshard also double every shard between step 0's forward and backward (in place,
+                              unseen by autograd), where a backward that gathers the weights again meets the new ones
+                              and one that kept the forward's (or a copy) the old: the inputs' gradients, and through
+                              them the earlier layers' weight gradients, show whether backward gathered again (not
+                              whether forward freed). 06's gathers in bf16 and is compared with the cast reference run
+                              with its bf16 copy doubled so: a power of two commutes with the casts (bit for bit).
+                              07's check_units cannot: FlatUnit gathers once per step and backward rightly uses what
+                              forward gathered (autograd saves the views), so doubled shards leave an honest unit's
+                              gradients those of the plain step too.
     09 check_sequence_parallel   bytes the norms save per rank (1/N of tensor parallel's): the norms run on the
                               gathered sequence. Values: the same.
 
@@ -128,9 +133,10 @@ of its process. Two measures are out of its reach, and two more were tried:
   before, which needs that computation, and the hand-offs it waits for, to have run first: the table's order. What is
   left is the gap of forged messages: a rank can compute every rank's share itself (the model and the data are
   deterministic, and chained_reference is in utils/), send nothing and forge its calls; the wire counts fewer segments
-  then, not more, which it does not catch. 05's FSDP and 07's reshard_after_forward double every shard between
-  forward and backward, as 06 its weights: one that kept the weights gathered in forward, a copy of them or the
-  gathered weights with the bytes held and the calls edited, gets the gradients wrong (the same test file).
+  then, not more, which it does not catch. 05's FSDP, 06's mixed-precision FSDP and 07's reshard_after_forward double
+  every shard between forward and backward, as 06's recompute its weights: one that kept the weights gathered in
+  forward, a copy of them or the gathered weights with the bytes held and the calls edited, gets the gradients wrong
+  (the same test file).
 - Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
@@ -165,11 +171,14 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
                               the rank's record; the chained run shows the order only).
     12 check_pipeline_3d      the activations alive likewise (its record's order is the only measure of them).
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
-                              gathered weights (05's check_fsdp, 07's check_reshard: only if it also gathers them
-                              again in backward and uses those, or watches its shard for the check's doubling), a
-                              whole optimizer state, a prefetch too far ahead. 06's check_mixed_precision_fsdp and
-                              07's check_units do not double their shards yet (12's gathering and freeing are the
-                              library's, nd.FlatShards: no student code to show).
+                              gathered weights (05's check_fsdp, 06's check_mixed_precision_fsdp, 07's check_reshard:
+                              only if it also gathers them again in backward and uses those, or watches its shard for
+                              the check's doubling), a whole optimizer state, a prefetch too far ahead. 07's
+                              check_units: a FlatUnit that leaves its views on the module past forward, or keeps its
+                              shard as a view of the whole flat buffer, holds a whole unit longer and computes the
+                              same values (its one gather per step is rightly kept for backward, so no doubling can
+                              show it). 12's gathering and freeing are the library's (nd.FlatShards): no student code
+                              to show.
 
 Three checks once called the student's code in the checking process itself (an autograd Function run in one
 process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
