@@ -156,19 +156,34 @@ or another student's, with code written to forge them, which a reader of the sub
 each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a fix shows):
 
     06 check_recompute        what forward saved and how often a layer ran: a recompute that also keeps the block's
-                              output, or runs the block once more in forward (backward must recompute: values).
+                              output, or runs the block once more in forward (backward must recompute: values). No
+                              value shows either: the kept output is memory no later value reads (the doubled weights
+                              make backward use the recomputed one), and a second forward computes the same numbers.
+                              A layer with a side effect would count its runs (a running state each forward advances,
+                              as the schedules' chain), but the state's right value after an extra forward is the one
+                              before it, which the rank's code can save and put back as it edits a record (unlike the
+                              schedules', which needs the values the table's order computes); and
+                              torch.utils.checkpoint advances such a state in another order than a recompute's
+                              backward (it recomputes at the first saved tensor unpacked, after the chain's own
+                              backward: measured, not bit for bit), so its reference would be one more replay. Not
+                              built.
     09 check_blockwise_attention, check_ring_attention(_backward), check_zigzag   the hidden blocks: an answer
                               without the skip (ra.visible), or one computing a block twice, passes with its record
                               forged (the three forgers of the tests: the tracer bypassed through its closure, its
                               record edited through the garbage collector, the hidden blocks computed in a forked
                               child); so does plain attention computed whole by the student's own code, with calls
                               made up. No score more is computed by the first: ra.block_attention computes none of
-                              a hidden block.
+                              a hidden block. Nor can a value show it: ra.block_attention reads nothing of a hidden
+                              pair of pieces (its out 0 and lse -inf come from the positions alone), so no key or
+                              value poisoned there changes a result (and every key block is visible to the later
+                              queries); a block computed twice and merged once repeats the same numbers.
     11 check_backward_split   a W that reaches the input again (a full backward), its record edited: the split's
-                              saving of the input's second gradient.
+                              saving of the input's second gradient. No value: the weights' gradients are the same,
+                              and the input's second gradient lands in x.grad, which the rank's code can clear.
     04, 11 schedules          the activations alive (a run in the table's order that keeps every micro-batch's
                               graph, its peak edited: the xfail test), and an isend that was a send (both read from
-                              the rank's record; the chained run shows the order only).
+                              the rank's record; the chained run shows the order only). No value: when a graph is
+                              freed changes no number computed, and a send hands over the same bytes as an isend.
     12 check_pipeline_3d      the activations alive likewise (its record's order is the only measure of them).
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
                               gathered weights (05's check_fsdp, 06's check_mixed_precision_fsdp, 07's check_reshard:
@@ -178,7 +193,7 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
                               shard as a view of the whole flat buffer, holds a whole unit longer and computes the
                               same values (its one gather per step is rightly kept for backward, so no doubling can
                               show it). 12's gathering and freeing are the library's (nd.FlatShards): no student code
-                              to show.
+                              to show. No value shows bytes held: a tensor kept alive changes no number computed.
 
 Three checks once called the student's code in the checking process itself (an autograd Function run in one
 process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
