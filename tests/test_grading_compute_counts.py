@@ -691,3 +691,32 @@ def test_a_mixed_precision_fsdp_that_keeps_its_gathered_weights_is_still_named_b
         MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"})
     with pytest.raises(AssertionError, match="up to [2-9] gathered units were alive at once in step 0's forward"):
         check_mixed_precision_fsdp(kept.MixedPrecisionLinear, kept.all_gather_unit, *FSDP_SIZES)
+
+
+# ---------------------------------------------------------------- 07: units, where no doubling can show the method
+
+def _flat_unit_gradients(rank, world_size, FlatUnit, doubled):
+    """Step 0's flat shards' gradients of the MLP in one FlatUnit per layer, every shard doubled between forward and
+    backward or not."""
+    import torch
+
+    from utils import simple_fsdp
+    from utils.fsdp import doubled_between
+    from utils.model import build_mlp, local_batch, loss_fn, make_batch
+    net = simple_fsdp.wrap_units(build_mlp(8, 3, 0, torch.float64), FlatUnit, "layer")
+    loss = loss_fn(net(local_batch(make_batch(4, 8, 0, 0, torch.float64), rank, world_size)))
+    with doubled_between(list(net.parameters()), doubled):
+        loss.backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.slow  # 0.5 s, 1 to 3 on a loaded machine: two launches
+def test_doubled_shards_leave_an_honest_flat_units_gradients_those_of_the_plain_step():
+    """Why check_units does not double its shards (utils.grading's limits): FlatUnit gathers once per step and its
+    backward rightly uses what forward gathered (autograd saves the views), so the doubling tells nothing apart."""
+    import torch
+
+    from utils.launch import spawn
+    flat_unit = solution("07_simple_fsdp").FlatUnit
+    plain, doubled = (spawn(_flat_unit_gradients, 2, flat_unit, d) for d in (False, True))
+    assert all(torch.equal(a, b) for p, d in zip(plain, doubled) for a, b in zip(p, d))
