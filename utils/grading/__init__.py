@@ -162,7 +162,8 @@ each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a f
                               A layer with a side effect would count its runs (a running state each forward advances,
                               as the schedules' chain), but the state's right value after an extra forward is the one
                               before it, which the rank's code can save and put back as it edits a record (unlike the
-                              schedules', which needs the values the table's order computes); and
+                              schedules', which needs the values the table's order computes; only an effect outside
+                              the rank, on the wire, could not be put back, and this check runs in one process); and
                               torch.utils.checkpoint advances such a state in another order than a recompute's
                               backward (it recomputes at the first saved tensor unpacked, after the chain's own
                               backward: measured, not bit for bit), so its reference would be one more replay. Not
