@@ -6,7 +6,9 @@
   gradients hold an inf (skipped, scale halved), and a frozen layer;
 - check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
 - check_mixed_precision_fsdp: notebook 05's FSDP with bf16 all-gathers and fp32 reduce-scatters, every collective
-  and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy;
+  and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy, and
+  one more step 0 with every shard doubled between forward and backward (05's: only a backward that gathers again
+  meets the doubled weights);
 - check_recompute: gradients bit for bit, and the bytes autograd saves, against the formula.
 """
 import copy
@@ -725,7 +727,8 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
                                seed=0):
     """Mixed-precision FSDP: fp32 shards; all-gathers in bf16 (exactly half the fp32 run's bytes); reduce-scatters
     in fp32; one gathered unit alive at most; against the single-process cast reference and FSDP2 with
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Returns {"bf16": bytes, "fp32": bytes} all-gathered
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); backward gathers again (values: step 0 with the shards
+    doubled between forward and backward, against the cast reference doubled so, checked last). Returns {"bf16": bytes, "fp32": bytes} all-gathered
     per step on rank 0."""
     sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     configurations = world_configurations(world_size, sizes)
