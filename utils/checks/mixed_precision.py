@@ -728,8 +728,8 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
     """Mixed-precision FSDP: fp32 shards; all-gathers in bf16 (exactly half the fp32 run's bytes); reduce-scatters
     in fp32; one gathered unit alive at most; against the single-process cast reference and FSDP2 with
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); backward gathers again (values: step 0 with the shards
-    doubled between forward and backward, against the cast reference doubled so, checked last). Returns {"bf16": bytes, "fp32": bytes} all-gathered
-    per step on rank 0."""
+    doubled between forward and backward, against the cast reference doubled so, checked last). Returns
+    {"bf16": bytes, "fp32": bytes} all-gathered per step on rank 0."""
     sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     configurations = world_configurations(world_size, sizes)
     exact, gathered = True, {}
