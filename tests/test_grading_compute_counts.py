@@ -13,11 +13,12 @@ input recomputes, which is the exercise.
   depend on each rank's order), so GPipe's order (or the naive step) with its record edited to read as the schedule
   gets no credit; each forger is shown to pass on its records alone, and the same order written another way passes.
   12's 3-D step likewise: its check chains the stages' layers for one more step on the (2, 2, 1) mesh.
-- 05's FSDP and 07's reshard_after_forward: that backward gathers the weights again is now shown by values (every
-  shard doubled between step 0's forward and backward: only a backward that gathers again meets the doubled
-  weights), so one that keeps the weights gathered in forward (a copy, or the gathered weights with the records
-  edited) gets no credit; honest answers written another way still pass. That forward freed them is still shown by
-  the bytes held only.
+- 05's FSDP, 06's mixed-precision FSDP (bf16 gathers) and 07's reshard_after_forward: that backward gathers the
+  weights again is now shown by values (every shard doubled between step 0's forward and backward: only a backward
+  that gathers again meets the doubled weights), so one that keeps the weights gathered in forward (a copy, or the
+  gathered weights with the records edited) gets no credit; honest answers written another way still pass. That
+  forward freed them is still shown by the bytes held only (and 07's FlatUnit, which rightly keeps what forward
+  gathered, by the bytes held alone).
 - 09's blockwise attention and 11's split backward: no value, and no measure outside the rank, tells the methods
   apart (utils.grading's docstring, "The limits"): the forgers still get credit. Their tests are xfail (strict), so
   that the gap stays visible and a fix shows.
@@ -618,3 +619,105 @@ def test_a_reshard_that_keeps_a_copy_of_the_gathered_weights_gets_no_credit():  
     forged = solution("07_simple_fsdp", replace=FORGED_RESHARD)
     with pytest.raises(AssertionError, match="backward used the weights gathered in forward: they were kept"):
         check_reshard(forged.data_parallel, forged.reshard_after_forward, *FSDP_SIZES)
+
+
+# ---------------------------------------------------------------- 06: mixed-precision FSDP's gather again, now values
+
+# 05's forgers in notebook 06's MixedPrecisionLinear (bf16 gathers): both passed before its shards were doubled
+MP_FREE_IN_FORWARD = ("        ctx.gather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"
+                      "        fsdp.free(weight)\n")
+FORGED_MP_FSDP = {
+    "a copy of the gathered weight kept, the backward's gather unused": {
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype, ctx.kept = gather, shard.dtype, weight.clone()\n"
+                            "        out = x @ weight.T\n        fsdp.free(weight)\n",
+        GATHER_IN_BACKWARD: "        fsdp.free(ctx.gather(\"backward\"))\n        grad_x = grad_output @ ctx.kept\n"},
+    "the records edited through the garbage collector": {  # found once per forward (gc is slow), kept on ctx
+        "        weight = gather(\"forward\")\n":
+        "        import gc\n"
+        "        ctx.trackers = [o for o in gc.get_objects() if type(o).__name__ == \"MemoryTracker\"]\n"
+        "        for tracker in ctx.trackers:\n            tracker.gathered.clear()  # the earlier units' weights, "
+        "held\n        weight = gather(\"forward\")\n",
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype, ctx.weight = gather, shard.dtype, weight\n"
+                            "        out = x @ weight.T\n",
+        GATHER_IN_BACKWARD: "        weight = ctx.weight\n        grad_x = grad_output @ weight\n"
+                            "        for tracker in ctx.trackers:\n"
+                            "            tracker.calls.append(next(c for c in reversed(tracker.calls) "
+                            "if c.name.startswith(\"all_gather\")))\n"},
+}
+MP_FSDP_FORGERS = [pytest.param(way, marks=pytest.mark.slow) if "garbage" in way else way for way in FORGED_MP_FSDP]
+HONEST_MP_FSDP = {  # the list all-gather put together: test_checks_mixed_precision.py, in the default run
+    "the gather kept on ctx under another name, the weight freed through its storage": {
+        MP_FREE_IN_FORWARD: "        ctx.regather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"
+                            "        weight.untyped_storage().resize_(0)\n",
+        "        weight = ctx.gather(\"backward\")\n": "        weight = ctx.regather(\"backward\")\n"},
+}
+
+
+@pytest.mark.parametrize("forger", MP_FSDP_FORGERS)  # 0.4 s; the garbage collector's, 2.5 s (10 to 25 loaded): slow
+def test_a_mixed_precision_fsdp_that_keeps_its_gathered_weights_gets_no_credit(forger):
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    forged = solution("06_mixed_precision", replace=FORGED_MP_FSDP[forger])
+    with pytest.raises(AssertionError, match="computed with the weights gathered in forward: the gathered weights "
+                                             "were kept, not freed"):
+        check_mixed_precision_fsdp(forged.MixedPrecisionLinear, forged.all_gather_unit, *FSDP_SIZES)
+
+
+@pytest.mark.slow  # 1.3 s; the garbage collector's, 7 s (30 on a loaded machine)
+@pytest.mark.parametrize("forger", FORGED_MP_FSDP)
+def test_the_mixed_precision_fsdp_forgers_would_pass_on_their_records_alone(forger, monkeypatch, capsys):
+    """Without the doubled shards' values, each forger above gets credit: its records read as an honest run's."""
+    import utils.checks.mixed_precision as checks
+    monkeypatch.setattr(checks, "verify_gathered_again", lambda *args: None)
+    forged = solution("06_mixed_precision", replace=FORGED_MP_FSDP[forger])
+    checks.check_mixed_precision_fsdp(forged.MixedPrecisionLinear, forged.all_gather_unit, *FSDP_SIZES)
+    assert "mixed-precision FSDP: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 1.3 s; the solution itself passes in notebook 06's run, a list all-gather in the default run
+@pytest.mark.parametrize("way", HONEST_MP_FSDP)
+def test_an_honest_mixed_precision_fsdp_written_another_way_still_passes(way, capsys):
+    """bf16 gathers: the doubled shards' gradients equal the cast reference's with its copy doubled, bit for bit."""
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    honest = solution("06_mixed_precision", replace=HONEST_MP_FSDP[way])
+    check_mixed_precision_fsdp(honest.MixedPrecisionLinear, honest.all_gather_unit, *FSDP_SIZES)
+    assert "mixed-precision FSDP: correct" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 0.5 s; the default run has the case: test_checks_mixed_precision's "never frees the gathered..."
+def test_a_mixed_precision_fsdp_that_keeps_its_gathered_weights_is_still_named_by_its_memory_first():
+    """Without forging, the weights kept after forward are named by the gathered units alive, as before (the
+    notebook's hints unchanged): the doubled shards are checked after the counts and the bytes held."""
+    from utils.checks.mixed_precision import check_mixed_precision_fsdp
+    kept = solution("06_mixed_precision", replace={
+        MP_FREE_IN_FORWARD: "        ctx.gather, ctx.reduce_dtype = gather, shard.dtype\n        out = x @ weight.T\n"})
+    with pytest.raises(AssertionError, match="up to [2-9] gathered units were alive at once in step 0's forward"):
+        check_mixed_precision_fsdp(kept.MixedPrecisionLinear, kept.all_gather_unit, *FSDP_SIZES)
+
+
+# ---------------------------------------------------------------- 07: units, where no doubling can show the method
+
+def _flat_unit_gradients(rank, world_size, FlatUnit, doubled):
+    """Step 0's flat shards' gradients of the MLP in one FlatUnit per layer, every shard doubled between forward and
+    backward or not."""
+    import torch
+
+    from utils import simple_fsdp
+    from utils.fsdp import doubled_between
+    from utils.model import build_mlp, local_batch, loss_fn, make_batch
+    net = simple_fsdp.wrap_units(build_mlp(8, 3, 0, torch.float64), FlatUnit, "layer")
+    loss = loss_fn(net(local_batch(make_batch(4, 8, 0, 0, torch.float64), rank, world_size)))
+    with doubled_between(list(net.parameters()), doubled):
+        loss.backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.slow  # 0.5 s, 1 to 3 on a loaded machine: two launches
+def test_doubled_shards_leave_an_honest_flat_units_gradients_those_of_the_plain_step():
+    """Why check_units does not double its shards (utils.grading's limits): FlatUnit gathers once per step and its
+    backward rightly uses what forward gathered (autograd saves the views), so the doubling tells nothing apart."""
+    import torch
+
+    from utils.launch import spawn
+    flat_unit = solution("07_simple_fsdp").FlatUnit
+    plain, doubled = (spawn(_flat_unit_gradients, 2, flat_unit, d) for d in (False, True))
+    assert all(torch.equal(a, b) for p, d in zip(plain, doubled) for a, b in zip(p, d))

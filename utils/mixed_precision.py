@@ -185,15 +185,19 @@ def fsdp_student(FSDPLinear, all_gather_unit, param_dtype):
     return fsdp.Student(FSDPLinear=FSDPLinear, all_gather_unit=gather)
 
 
-def fsdp_job():
-    return fsdp.Job("fsdp", dtype=torch.float32)  # the shards (and the batches) in fp32
+def fsdp_job(doubled=False):
+    return fsdp.Job("fsdp", dtype=torch.float32, doubled=doubled)  # the shards (and the batches) in fp32
 
 
-def fsdp_runs_main(rank, world_size, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2=True):
-    """(a utils.fsdp.Run of the notebook's FSDP for each param_dtype, FSDP2's run with a MixedPrecisionPolicy
-    or None), on this rank."""
-    runs = [fsdp.train_and_record(rank, world_size, fsdp_job(), fsdp_student(FSDPLinear, all_gather_unit, dtype), sizes)
-            for dtype in param_dtypes]
+def fsdp_runs_main(rank, world_size, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2=True, doubled=False):
+    """(a utils.fsdp.Run of the notebook's FSDP for each param_dtype, and with `doubled` one more step 0 in the first
+    with every shard doubled between forward and backward (fsdp.Job's doubled: its gradients are what counts);
+    FSDP2's run with a MixedPrecisionPolicy or None), on this rank."""
+    student = functools.partial(fsdp_student, FSDPLinear, all_gather_unit)
+    runs = [fsdp.train_and_record(rank, world_size, fsdp_job(), student(dtype), sizes) for dtype in param_dtypes]
+    if doubled:
+        runs.append(fsdp.train_and_record(rank, world_size, fsdp_job(doubled=True), student(param_dtypes[0]),
+                                          dataclasses.replace(sizes, num_steps=1)))
     return runs, train_fsdp2_mixed_precision(rank, world_size, sizes) if fsdp2 else None
 
 
@@ -234,10 +238,13 @@ class Reference:
     losses: list  # rank 0's loss by step
 
 
-def mixed_precision_reference(sizes, world_size, param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+def mixed_precision_reference(sizes, world_size, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                              doubled=False):
     """One process doing what mixed-precision FSDP does: each rank's slice through a `param_dtype` copy of the fp32
     master weights, each gradient cast to `reduce_dtype`, summed over the ranks and divided by N, AdamW on the
-    master weights."""
+    master weights. With `doubled`, the copy's weights doubled between step 0's forward and backward
+    (fsdp.doubled_between): what an FSDP that gathers again in backward computes when fsdp.Job's doubled doubles its
+    fp32 shards (the same numbers: a power of two commutes with the casts)."""
     master = build_mlp(sizes.hidden_dim, sizes.num_layers, sizes.seed, torch.float32)
     optimizer = torch.optim.AdamW(master.parameters(), **fsdp.ADAMW)
     first_grads, local_grads, losses = None, [], []
@@ -247,7 +254,8 @@ def mixed_precision_reference(sizes, world_size, param_dtype=torch.bfloat16, red
         for rank in range(world_size):
             low.zero_grad(set_to_none=True)
             loss = loss_fn(low(local_batch(batch, rank, world_size).to(param_dtype)))
-            loss.backward()
+            with fsdp.doubled_between(list(low.parameters()), doubled and first_grads is None):
+                loss.backward()
             total = [t + p.grad.to(reduce_dtype) for t, p in zip(total, low.parameters())]
             if rank == 0:
                 losses.append(loss.item())

@@ -101,17 +101,25 @@ def _verify_gathered_again(label, runs, sizes, where):
     student's code, could be forged."""
     doubled = list(fsdp.doubled_gradients(_build_single("mlp", sizes),
                                           make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)).values())
-    kept = first_gradients("mlp", sizes)
+    verify_gathered_again(runs, doubled, first_gradients("mlp", sizes), where,
+                          lambda got, want: max_abs_diff(got, want) <= TOLERANCE)
+
+
+def verify_gathered_again(runs, doubled, kept, where, close):
+    """Each rank's step 0 shards' gradients, run with every shard doubled between forward and backward, against the
+    whole gradients of the doubled weights (`doubled`: a backward that gathers again) and of the plain step (`kept`:
+    one that kept the weights gathered in forward); close(got, want) on tensors of one shape. 05's and 06's."""
     n = len(runs)
 
-    def close(got, want):
-        return got is not None and got.shape == want.shape and max_abs_diff(got, want) <= TOLERANCE
+    def near(got, whole, rank):
+        want = fsdp.shard(whole, rank, n)
+        return got is not None and got.shape == want.shape and close(got, want)
 
     for rank, run in enumerate(runs):
         for i, got in enumerate(run.first_grads):
-            if close(got, fsdp.shard(doubled[i], rank, n)):
+            if near(got, doubled[i], rank):
                 continue
-            if close(got, fsdp.shard(kept[i], rank, n)):
+            if near(got, kept[i], rank):
                 raise AssertionError(
                     f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd), "
                     f"rank {rank}'s shard of parameter {i} got the gradient of the weights before the doubling: the "

@@ -6,7 +6,9 @@
   gradients hold an inf (skipped, scale halved), and a frozen layer;
 - check_reduce_dtype: a data-parallel gradient average with a reduce dtype, every all-reduce watched;
 - check_mixed_precision_fsdp: notebook 05's FSDP with bf16 all-gathers and fp32 reduce-scatters, every collective
-  and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy;
+  and the gathered units watched, against the single-process cast reference and FSDP2's MixedPrecisionPolicy, and
+  one more step 0 with every shard doubled between forward and backward (05's: only a backward that gathers again
+  meets the doubled weights);
 - check_recompute: gradients bit for bit, and the bytes autograd saves, against the formula.
 """
 import copy
@@ -20,7 +22,14 @@ from torch.utils.checkpoint import checkpoint
 
 from utils import fsdp
 from utils.checks import CHECK_TIMEOUT, diagnose_gradient, max_abs_diff
-from utils.checks.fsdp import checked_sizes, ranks_and_sizes, verify_calls, verify_units, world_configurations
+from utils.checks.fsdp import (
+    checked_sizes,
+    ranks_and_sizes,
+    verify_calls,
+    verify_gathered_again,
+    verify_units,
+    world_configurations,
+)
 from utils.intercept import intercept
 from utils.launch import RankError, apart, spawn
 from utils.mixed_precision import (
@@ -645,14 +654,14 @@ FSDP_ERRORS = [  # (words in a rank's error or its traceback, what they usually 
 ]
 
 
-def _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, sizes, fsdp2):
+def _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, sizes, fsdp2, doubled=False):
     try:
-        by_rank = spawn(fsdp_runs_main, n, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2,
+        by_rank = spawn(fsdp_runs_main, n, FSDPLinear, all_gather_unit, param_dtypes, sizes, fsdp2, doubled,
                         timeout=CHECK_TIMEOUT)
     except RankError as e:
         hint = next((h for words, h in FSDP_ERRORS if words in str(e)), "see the rank's error")
         raise AssertionError(f"mixed-precision FSDP failed on {n} ranks: {hint}\n{e}") from e
-    runs = [[by_rank[r][0][j] for r in range(n)] for j in range(len(param_dtypes))]
+    runs = [[by_rank[r][0][j] for r in range(n)] for j in range(len(param_dtypes) + doubled)]
     return runs, by_rank[0][1]
 
 
@@ -718,15 +727,16 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
                                seed=0):
     """Mixed-precision FSDP: fp32 shards; all-gathers in bf16 (exactly half the fp32 run's bytes); reduce-scatters
     in fp32; one gathered unit alive at most; against the single-process cast reference and FSDP2 with
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Returns {"bf16": bytes, "fp32": bytes} all-gathered
-    per step on rank 0."""
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); backward gathers again (values: step 0 with the shards
+    doubled between forward and backward, against the cast reference doubled so, checked last). Returns
+    {"bf16": bytes, "fp32": bytes} all-gathered per step on rank 0."""
     sizes = checked_sizes(hidden_dim, num_layers, batch_size, num_steps, seed)
     configurations = world_configurations(world_size, sizes)
     exact, gathered = True, {}
     for k, (n, run_sizes) in enumerate(configurations):
         where = f"mixed-precision FSDP on {n} ranks (hidden {run_sizes.hidden_dim})"
         param_dtypes = [torch.bfloat16] + ([torch.float32] if k == 0 else [])
-        runs, fsdp2 = _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, run_sizes, k == 0)
+        runs, fsdp2 = _spawn_fsdp(FSDPLinear, all_gather_unit, n, param_dtypes, run_sizes, k == 0, doubled=True)
         unit = run_sizes.hidden_dim**2
         shard = fsdp.shard_numel(unit, n)
         _verify_master_shards(runs[0], where)
@@ -736,6 +746,9 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
         verify_units("mixed-precision FSDP", runs[0], 1, where)
         reference = mixed_precision_reference(run_sizes, n)
         exact &= _verify_against_reference(runs[0], reference, run_sizes, where)
+        # the last run's shards doubled between step 0's forward and backward: after the counts' and bytes' hints
+        doubled = mixed_precision_reference(dataclasses.replace(run_sizes, num_steps=1), n, doubled=True)
+        verify_gathered_again(runs[-1], doubled.first_grads, reference.first_grads, where, _close)
         if k == 0:
             gathered = {name: fsdp_bytes_per_step(r[0].calls)["all_gather"] for name, r in zip(("bf16", "fp32"), runs)}
             assert gathered["bf16"] * 2 == gathered["fp32"], (

@@ -96,11 +96,16 @@ For each: the count, the wrong answers it exists to catch, and whether the value
     05 check_memory, check_fsdp, check_prefetch, 06 check_mixed_precision_fsdp, 07 check_reshard, check_units,
        12 check_fsdp_tensor_parallel   bytes held at the peak by group, gathered units alive (MemoryTracker):
                               gathered weights never freed, a whole optimizer state kept, a prefetch too far ahead.
-                              Values: the same; so 05's check_fsdp and 07's check_reshard also double every shard
-                              between step 0's forward and backward (in place, unseen by autograd), where a backward
-                              that gathers the weights again meets the new ones and one that kept the forward's (or
-                              a copy) the old: the inputs' gradients, and through them the earlier layers' weight
-                              gradients, show whether backward gathered again (not whether forward freed).
+                              Values: the same; so 05's check_fsdp, 06's check_mixed_precision_fsdp and 07's
+                              check_reshard also double every shard between step 0's forward and backward (in place,
+                              unseen by autograd), where a backward that gathers the weights again meets the new ones
+                              and one that kept the forward's (or a copy) the old: the inputs' gradients, and through
+                              them the earlier layers' weight gradients, show whether backward gathered again (not
+                              whether forward freed). 06's gathers in bf16 and is compared with the cast reference run
+                              with its bf16 copy doubled so: a power of two commutes with the casts (bit for bit).
+                              07's check_units cannot: FlatUnit gathers once per step and backward rightly uses what
+                              forward gathered (autograd saves the views), so doubled shards leave an honest unit's
+                              gradients those of the plain step too.
     09 check_sequence_parallel   bytes the norms save per rank (1/N of tensor parallel's): the norms run on the
                               gathered sequence. Values: the same.
 
@@ -128,9 +133,10 @@ of its process. Two measures are out of its reach, and two more were tried:
   before, which needs that computation, and the hand-offs it waits for, to have run first: the table's order. What is
   left is the gap of forged messages: a rank can compute every rank's share itself (the model and the data are
   deterministic, and chained_reference is in utils/), send nothing and forge its calls; the wire counts fewer segments
-  then, not more, which it does not catch. 05's FSDP and 07's reshard_after_forward double every shard between
-  forward and backward, as 06 its weights: one that kept the weights gathered in forward, a copy of them or the
-  gathered weights with the bytes held and the calls edited, gets the gradients wrong (the same test file).
+  then, not more, which it does not catch. 05's FSDP, 06's mixed-precision FSDP and 07's reshard_after_forward double
+  every shard between forward and backward, as 06's recompute its weights: one that kept the weights gathered in
+  forward, a copy of them or the gathered weights with the bytes held and the calls edited, gets the gradients wrong
+  (the same test file).
 - Memory and CPU time from outside were tried and are not used. The sandbox's cgroup (memory.peak, cpu.stat would
   count every process a submission forks): bwrap has no option for it (0.8 has a cgroup namespace only), so the
   grader would create the cgroup and move the sandbox in; where the course is tested cgroup v2 is mounted with no
@@ -150,26 +156,45 @@ or another student's, with code written to forge them, which a reader of the sub
 each gap are xfail, strict, in tests/test_grading_compute_counts.py, so that a fix shows):
 
     06 check_recompute        what forward saved and how often a layer ran: a recompute that also keeps the block's
-                              output, or runs the block once more in forward (backward must recompute: values).
+                              output, or runs the block once more in forward (backward must recompute: values). No
+                              value shows either: the kept output is memory no later value reads (the doubled weights
+                              make backward use the recomputed one), and a second forward computes the same numbers.
+                              A layer with a side effect would count its runs (a running state each forward advances,
+                              as the schedules' chain), but the state's right value after an extra forward is the one
+                              before it, which the rank's code can save and put back as it edits a record (unlike the
+                              schedules', which needs the values the table's order computes; only an effect outside
+                              the rank, on the wire, could not be put back, and this check runs in one process); and
+                              torch.utils.checkpoint advances such a state in another order than a recompute's
+                              backward (it recomputes at the first saved tensor unpacked, after the chain's own
+                              backward: measured, not bit for bit), so its reference would be one more replay. Not
+                              built.
     09 check_blockwise_attention, check_ring_attention(_backward), check_zigzag   the hidden blocks: an answer
                               without the skip (ra.visible), or one computing a block twice, passes with its record
                               forged (the three forgers of the tests: the tracer bypassed through its closure, its
                               record edited through the garbage collector, the hidden blocks computed in a forked
                               child); so does plain attention computed whole by the student's own code, with calls
                               made up. No score more is computed by the first: ra.block_attention computes none of
-                              a hidden block.
+                              a hidden block. Nor can a value show it: ra.block_attention reads nothing of a hidden
+                              pair of pieces (its out 0 and lse -inf come from the positions alone), so no key or
+                              value poisoned there changes a result (and every key block is visible to the later
+                              queries); a block computed twice and merged once repeats the same numbers.
     11 check_backward_split   a W that reaches the input again (a full backward), its record edited: the split's
-                              saving of the input's second gradient.
+                              saving of the input's second gradient. No value: the weights' gradients are the same,
+                              and the input's second gradient lands in x.grad, which the rank's code can clear.
     04, 11 schedules          the activations alive (a run in the table's order that keeps every micro-batch's
                               graph, its peak edited: the xfail test), and an isend that was a send (both read from
-                              the rank's record; the chained run shows the order only).
+                              the rank's record; the chained run shows the order only). No value: when a graph is
+                              freed changes no number computed, and a send hands over the same bytes as an isend.
     12 check_pipeline_3d      the activations alive likewise (its record's order is the only measure of them).
     05, 06, 07, 12 memory     bytes held (MemoryTracker), 09's bytes the norms save: FSDP that never frees its
-                              gathered weights (05's check_fsdp, 07's check_reshard: only if it also gathers them
-                              again in backward and uses those, or watches its shard for the check's doubling), a
-                              whole optimizer state, a prefetch too far ahead. 06's check_mixed_precision_fsdp and
-                              07's check_units do not double their shards yet (12's gathering and freeing are the
-                              library's, nd.FlatShards: no student code to show).
+                              gathered weights (05's check_fsdp, 06's check_mixed_precision_fsdp, 07's check_reshard:
+                              only if it also gathers them again in backward and uses those, or watches its shard for
+                              the check's doubling), a whole optimizer state, a prefetch too far ahead. 07's
+                              check_units: a FlatUnit that leaves its views on the module past forward, or keeps its
+                              shard as a view of the whole flat buffer, holds a whole unit longer and computes the
+                              same values (its one gather per step is rightly kept for backward, so no doubling can
+                              show it). 12's gathering and freeing are the library's (nd.FlatShards): no student code
+                              to show. No value shows bytes held: a tensor kept alive changes no number computed.
 
 Three checks once called the student's code in the checking process itself (an autograd Function run in one
 process: 06's recompute, 09's blockwise attention, 11's B and W): they now run it in a rank of its own, which
