@@ -43,13 +43,13 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # ZeRO 0 then 41 (57%), 47 (65%), and its even stages 44 (61%), 50 (69%); Megatron-LM's README GPT-3 175B run added,
 # within. Of the 23 beyond 10% (pr.format_layout_terms gives each one's step time term by term): Narayanan et al.'s six
 # ZeRO-3 baselines (1.40-4.73: the paper's point; 1.00 among ZeRO-3 without model parallelism, the composition each
-# stands for, which makes 64 of 73, 88%, among what was offered); MT-NLG's 2,240 GPUs (1.25): the best is a deeper
-# pipeline without recomputation, at 61 GB, where Megatron's rules took the smallest model-parallel size that fits with
-# full recomputation; Llama 3 405B at 8K (1.37, 1.40); torchtitan's benchmark tables (8B FSDP x CP 1.24-1.27, eager
-# FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B schedules 1.20 and CP 1.33-1.56, FSDP alone on A100s 1.18-1.21, 1.00
-# among FSDP alone, all their table reports); OPT (1.29; 1.00 among what metaseq offered); DeepSeek-V3 (1.30: its
-# published split needs full recomputation in the planner's MoE activations). Each with its reason
-# (format_layout_ranks).
+# stands for, which, with torchtitan's 405B schedules at their one layout, makes 66 of 73, 90%, among what was
+# offered); MT-NLG's 2,240 GPUs (1.25): the best is a deeper pipeline without recomputation, at 61 GB, where Megatron's
+# rules took the smallest model-parallel size that fits with full recomputation; Llama 3 405B at 8K (1.37, 1.40);
+# torchtitan's benchmark tables (8B FSDP x CP 1.24-1.27, eager FSDP 128 1.11, 70B 2D without AsyncTP 1.16, 405B
+# schedules 1.20 (1.00 at the one layout they benchmark) and CP 1.33-1.56, FSDP alone on A100s 1.18-1.21, 1.00 among
+# FSDP alone, all their table reports); OPT (1.29; 1.00 among what metaseq offered); DeepSeek-V3 (1.30: its published
+# split needs full recomputation in the planner's MoE activations). Each with its reason (format_layout_ranks).
 # Memory without recomputation, as real runs held it: the best split of Megatron 2021's 145.6B was t 8 x p 16, micro-
 # batch 1, 1F1B, no recomputation: Narayanan et al.'s Figure 17 run (pr.FIGURE_17), which ran out of 80 GB at 16
 # micro-batches in flight. The paper's "up to 2x" over the best batch without recomputation is batch 8's bubble in the
@@ -68,7 +68,7 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # throughput unchanged; torchtitan's 70B 2D row 0.88 -> 0.93 in throughput, 1.16 -> 1.11 in layout. Every latency term
 # zeroed moves no layout across 10%; NCCL's ring bandwidth across nodes with several ranks of a group per node (one NIC
 # each) would move the table away from its sources (utils/planner/communication.py, known limit).
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.68, 0.87  # the shares reached: a regression below them fails
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.68, 0.90  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)
 

@@ -1172,7 +1172,7 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         TORCHTITAN.format(6), {"tp": {8}, "pp": {8}}),
     r"torchtitan 405B (1F1B|Interleaved)": Reason(
         "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), Float8, full recomputation",
-        TORCHTITAN.format(5)),
+        TORCHTITAN.format(5), {"dp": {8}, "tp": {8}, "pp": {8}, "cp": {1}}),
     r"opt 175B": Reason(
         "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
         "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
