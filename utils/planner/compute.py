@@ -124,6 +124,11 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     # it puts torchtitan's 8K-token rows 1.20-1.35x and its 128K-256K CP rows 1.5-1.9x too fast. Those rows' own numbers
     # (Table 2: 32K tokens per GPU against 32K, 64K, 128K, 256K keys) cost 137, 270, 223 us per token for each
     # further 32K keys: no one kernel efficiency fits them (utils/planner_runs.py, the CP rows' disagreement).
+    # Causal masking is priced alike with and without context parallel: at cp 1 flash attention's causal kernel
+    # skips the upper triangle of s x s; PyTorch's ring (torch/distributed/tensor/experimental/_attention.py,
+    # _is_causal_behavior, load balancing on by default: each rank holds chunks r and 2 cp - 1 - r) runs the causal
+    # local block, then half of each other block, the causal half of s/cp x s on every rank. Both are timed here as
+    # the full square, cp blocks of (s/cp)^2, so the two sides' attention differs by the kernels' sizes alone.
     attention = (matmul_seconds(block, model.qk_head_dim, block, cluster, batch=heads * blocks, element_bytes=e)
                  + matmul_seconds(block, block, model.value_head_dim, cluster, batch=heads * blocks, element_bytes=e))
     kept = layer_activation_bytes(model, Config(tp=tp, cp=cp, ep=ep, micro_batch_size=b,

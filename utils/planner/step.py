@@ -14,7 +14,11 @@ than that computation is exposed.
         cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
         cp_mode "all_gather" (Llama 3): one all-gather of K forward, a reduce-scatter of its gradient backward,
         exposed. The ring's own work per hop (the fp32 merge of each block's output, the send buffers:
-        RING_HOP_WORK) is the device's, counted with the compute.
+        RING_HOP_WORK) is the device's, counted with the compute. PyTorch's context_parallel (torchtitan's) keeps
+        the ring's kernels but by default gathers the keys and values in one all-gather, issued before the local
+        block and waited for after it (_attention.py, _AllGatherRotater; dK, dV rotated by all-to-all): priced as
+        the ring: at the published CP rows' 32K tokens per rank both hide behind attention (405B, CP 8 across nodes:
+        a 117 MB gather, 2.7 ms, beside a 29 ms local block); at 1K-token blocks the gather would show more.
     ep  per MoE layer and pass: dispatch and combine, two all-to-alls of the rank's T/t tokens' top_k copies
         (notebook 10; at most topk_group of them between nodes, Model.topk_group), exposed, unless
         Config.ep_overlap (DeepSeek-V3's DualPipe), then what the layer's computation does not hide.
