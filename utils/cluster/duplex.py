@@ -18,7 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-from utils.bench import Seconds, spread
 from utils.cluster.run import run_for_json
 
 LINK = "100mbit"
@@ -26,19 +25,17 @@ SCRIPT = Path(__file__)
 SENDS = {"one way": [(0, 2)], "both ways, two pairs": [(0, 2), (3, 1)], "both ways, one pair": [(0, 2), (2, 0)]}
 
 
-def duplex_spreads(link=LINK, nbytes=128 * 1024, repeat=7):
-    """{variant of SENDS: bench.Spread of its runs' seconds (each its slowest rank's) and their waits for a core},
-    on 2 nodes x 2."""
-    runs = run_for_json(2, 2, SCRIPT, [str(nbytes), str(repeat)], what="the duplex measurement", link=link,
+def duplex_seconds(link=LINK, nbytes=128 * 1024, repeat=7):
+    """{variant of SENDS: median seconds, its slowest rank's}, on 2 nodes x 2."""
+    return run_for_json(2, 2, SCRIPT, [str(nbytes), str(repeat)], what="the duplex measurement", link=link,
                         timeout=300)
-    return {name: spread([Seconds(s, w) for s, w in pairs]) for name, pairs in runs.items()}
 
 
 def main(nbytes, repeat):
     import torch
     import torch.distributed as dist
 
-    from utils.bench import interleaved_samples
+    from utils.bench import interleaved_seconds
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -49,9 +46,9 @@ def main(nbytes, repeat):
               [dist.P2POp(dist.irecv, y, src) for src, dst in sends if dst == rank]
         return lambda: [work.wait() for work in dist.batch_isend_irecv(ops)] if ops else None
 
-    runs = interleaved_samples({name: exchange(sends) for name, sends in SENDS.items()}, repeat)
+    seconds = interleaved_seconds({name: exchange(sends) for name, sends in SENDS.items()}, repeat)
     if rank == 0:
-        print(json.dumps({name: [[s, s.waited] for s in samples] for name, samples in runs.items()}))
+        print(json.dumps(seconds))
     dist.destroy_process_group()
 
 
