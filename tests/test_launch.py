@@ -487,6 +487,23 @@ def test_rank_that_dies_hard(how, expected):
     assert re.search(expected, message.split("\n")[0]), message
 
 
+def _dies_slowly_after_its_peer_reports(rank, world_size):
+    if rank == 1:  # gloo's words for a pair whose other end has exited, said at once
+        raise RuntimeError("[/gloo/transport/tcp/pair.cc:598] Connection reset by peer")
+    time.sleep(1.0)  # rank 0 is still dying, as gloo's abort and faulthandler's dump take time under load
+    os.kill(os.getpid(), signal.SIGABRT)
+
+
+def test_a_rank_still_dying_is_named_not_the_peer_that_lost_its_connection():
+    """The cause, not its echo: rank 1 reports a connection reset before rank 0, which caused it, has finished
+    dying; the launcher waits for rank 0 to end on its own rather than killing it and naming rank 1."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_dies_slowly_after_its_peer_reports, 2, timeout=60)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 0 and "SIGABRT" in str(info.value).split("\n")[0], str(info.value)
+
+
 def test_unpicklable_return_value():
     """5: a return value that cannot be pickled (a lock) -> RankError naming the rank, not a hang."""
     start = time.monotonic()

@@ -279,6 +279,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
             where = _where_stuck(procs, ranks, rundir)
             raise TimeoutError(_stall_message(ranks, world_size, timeout, where))
         if outcome == "failed":
+            _wait_for_a_dying_peer(procs, rundir, ranks)
             raise _first_failure(procs, rundir, killed=_stop(procs))
         return [_read_report(rundir, rank)[1] for rank in range(world_size)]
     finally:  # after success, failure, timeout or Ctrl-C: no rank outlives the call
@@ -297,6 +298,20 @@ def _without_main():
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def _wait_for_a_dying_peer(procs, rundir, failed, seconds=5.0):
+    """A rank whose peer died reports at once ("Connection reset by peer"), while the peer may still be dying: gloo's
+    abort writes its reason, then faulthandler every thread's stack, slowly on a loaded machine. Killing the ranks
+    still running then would hide the cause behind its echo: give them up to `seconds` to end on their own first."""
+    report = _read_report(rundir, failed[0])
+    if report[0] != "error" or not PEER_LEFT.search(report[2]):
+        return
+    deadline = time.monotonic() + seconds
+    while (alive := [p.sentinel for p in procs if p.is_alive()]) and time.monotonic() < deadline:
+        if any(not p.is_alive() and _read_report(rundir, rank)[0] == "none" for rank, p in enumerate(procs)):
+            return  # the peer that died
+        wait_for_any(alive, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _stop(procs):
