@@ -58,6 +58,27 @@ def confirmed(got, candidates):
     return None
 
 
+def verify_gathered_again(shards, where, close, kept, again):
+    """Step 0 run with every shard doubled between forward and backward (in place, unseen by autograd): a backward
+    that gathers the weights again meets the doubled ones, one that kept those gathered in forward the old ones.
+    shards: (rank, what, got, want: the doubled weights' gradient shard, the old weights') for each gradient; close
+    on tensors of one shape; `kept` says what the old weights' gradient means, `again` what gathers them again.
+    05's, 06's and 07's checks: values, where the bytes held and the calls counted, taken in the rank that runs the
+    student's code, could be forged."""
+    def near(got, want):
+        return got is not None and got.shape == want.shape and close(got, want)
+
+    doubled = f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd)"
+    for rank, what, got, want, old in shards:
+        if near(got, want):
+            continue
+        if near(got, old):
+            raise AssertionError(f"{doubled}, rank {rank}'s {what} is the gradient of the weights before the "
+                                 f"doubling: {kept}; is the record of bytes held edited?")
+        raise AssertionError(f"{doubled}, rank {rank}'s {what} is neither the doubled weights' gradient ({again}) nor "
+                             f"the old ones'")
+
+
 def max_abs_diff(a, b):
     """The largest |a - b| in float64; infinite where either holds a NaN (NaN > tolerance is False)."""
     if not a.numel():

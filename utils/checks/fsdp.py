@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from utils import fsdp
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff
+from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, verify_gathered_again
 from utils.fsdp import Job, Student
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.memory import formula_bytes
@@ -94,41 +94,25 @@ def _tolerance(t, model):
 # ---------------------------------------------------------------- one property each
 
 def _verify_gathered_again(label, runs, sizes, where):
-    """Step 0 run with every shard doubled between forward and backward (Job(doubled=True)): a backward that
-    gathers the weights again meets the doubled ones, so the inputs' gradients, and through them the earlier
-    layers' weight gradients, are those of the doubled weights. One that kept the weights gathered in forward
-    computes the plain step's. Values, where the bytes held and the calls counted, taken in the rank that runs the
-    student's code, could be forged."""
+    """Step 0 with every shard doubled between forward and backward (Job(doubled=True)): the inputs' gradients, and
+    through them the earlier layers' weight gradients, show whether backward gathered the weights again."""
     doubled = list(fsdp.doubled_gradients(_build_single("mlp", sizes),
                                           make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0)).values())
-    verify_gathered_again(runs, doubled, first_gradients("mlp", sizes), where,
-                          lambda got, want: max_abs_diff(got, want) <= TOLERANCE)
+    verify_shards_gathered_again(runs, doubled, first_gradients("mlp", sizes), where,
+                                 lambda got, want: max_abs_diff(got, want) <= TOLERANCE)
 
 
-def verify_gathered_again(runs, doubled, kept, where, close):
-    """Each rank's step 0 shards' gradients, run with every shard doubled between forward and backward, against the
-    whole gradients of the doubled weights (`doubled`: a backward that gathers again) and of the plain step (`kept`:
-    one that kept the weights gathered in forward); close(got, want) on tensors of one shape. 05's and 06's."""
+def verify_shards_gathered_again(runs, doubled, kept, where, close):
+    """Each rank's step 0 shard gradients, run with every shard doubled, against its shards of the whole gradients of
+    the doubled weights (`doubled`) and of the plain step (`kept`): 05's and 06's FSDP."""
     n = len(runs)
-
-    def near(got, whole, rank):
-        want = fsdp.shard(whole, rank, n)
-        return got is not None and got.shape == want.shape and close(got, want)
-
-    for rank, run in enumerate(runs):
-        for i, got in enumerate(run.first_grads):
-            if near(got, doubled[i], rank):
-                continue
-            if near(got, kept[i], rank):
-                raise AssertionError(
-                    f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd), "
-                    f"rank {rank}'s shard of parameter {i} got the gradient of the weights before the doubling: the "
-                    f"gradients were computed with the weights gathered in forward: the gathered weights were kept, "
-                    f"not freed after forward and gathered again in backward; is the record of bytes held edited?")
-            raise AssertionError(f"{where}: with every shard doubled between forward and backward (in place, unseen "
-                                 f"by autograd), rank {rank}'s shard of parameter {i} holds neither the gradient of "
-                                 f"the doubled weights (a backward that gathers them again) nor that of the old ones: "
-                                 f"backward must gather the weights again and use them for the input's gradient")
+    verify_gathered_again(
+        ((rank, f"shard of parameter {i}", got, fsdp.shard(doubled[i], rank, n), fsdp.shard(kept[i], rank, n))
+         for rank, run in enumerate(runs) for i, got in enumerate(run.first_grads)), where, close,
+        "the gradients were computed with the weights gathered in forward: the gathered weights were kept, not freed "
+        "after forward and gathered again in backward",
+        "a backward that gathers them again: backward must gather the weights again and use them for the input's "
+        "gradient")
 
 
 def _verify_gradients(label, runs, model, sizes, where):

@@ -26,7 +26,7 @@ from utils.checks.fsdp import (
     checked_sizes,
     ranks_and_sizes,
     verify_calls,
-    verify_gathered_again,
+    verify_shards_gathered_again,
     verify_units,
     world_configurations,
 )
@@ -748,7 +748,7 @@ def check_mixed_precision_fsdp(FSDPLinear, all_gather_unit, world_size, hidden_d
         exact &= _verify_against_reference(runs[0], reference, run_sizes, where)
         # the last run's shards doubled between step 0's forward and backward: after the counts' and bytes' hints
         doubled = mixed_precision_reference(dataclasses.replace(run_sizes, num_steps=1), n, doubled=True)
-        verify_gathered_again(runs[-1], doubled.first_grads, reference.first_grads, where, _close)
+        verify_shards_gathered_again(runs[-1], doubled.first_grads, reference.first_grads, where, _close)
         if k == 0:
             gathered = {name: fsdp_bytes_per_step(r[0].calls)["all_gather"] for name, r in zip(("bf16", "fp32"), runs)}
             assert gathered["bf16"] * 2 == gathered["fp32"], (

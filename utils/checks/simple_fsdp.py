@@ -11,7 +11,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from utils import pytorch_reference, simple_fsdp
-from utils.checks import CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn
+from utils.checks import (CHECK_TIMEOUT, TOLERANCE, diagnose_gradient, max_abs_diff, seeded_randn,
+                          verify_gathered_again)
 from utils.fsdp import doubled_gradients
 from utils.launch import RankError, runnable_world_sizes, spawn
 from utils.model import Sizes, build_mlp, make_batch
@@ -442,25 +443,14 @@ def _verify_gathered_again(runs, sizes):
     net = simple_fsdp.build_model("mlp", sizes.hidden_dim, sizes.num_layers, sizes.seed)
     doubled = doubled_gradients(net, make_batch(sizes.batch_size, sizes.hidden_dim, sizes.seed, 0))
     kept = simple_fsdp.first_gradients("mlp", sizes)
-
-    def close(got, whole, rank):
-        want = simple_fsdp.local_shard(whole, rank, len(runs))
-        return got is not None and got.shape == want.shape and max_abs_diff(got, want) <= TOLERANCE
-
-    for rank, run in enumerate(runs):
-        for name, whole in doubled.items():
-            got = run.first_grads.get(name)
-            if close(got, whole, rank):
-                continue
-            if close(got, kept[name], rank):
-                raise AssertionError(
-                    f"{where}: with every shard doubled between forward and backward (in place, unseen by autograd), "
-                    f"rank {rank}'s gradient of {name!r} is that of the weights before the doubling: backward used the "
-                    f"weights gathered in forward: they were kept, not packed as shards and gathered again when "
-                    f"unpacked; is the record of bytes held edited?")
-            raise AssertionError(f"{where}: with every shard doubled between forward and backward (in place, unseen "
-                                 f"by autograd), rank {rank}'s gradient of {name!r} is neither the doubled weights' "
-                                 f"(unpack_gathered gathering the shards again) nor the old ones'")
+    n = len(runs)
+    shards = ((rank, f"gradient of {name!r}", run.first_grads.get(name), simple_fsdp.local_shard(whole, rank, n),
+               simple_fsdp.local_shard(kept[name], rank, n))
+              for rank, run in enumerate(runs) for name, whole in doubled.items())
+    verify_gathered_again(
+        shards, where, lambda got, want: max_abs_diff(got, want) <= TOLERANCE,
+        "backward used the weights gathered in forward: they were kept, not packed as shards and gathered again when "
+        "unpacked", "unpack_gathered gathering the shards again")
 
 
 def _offset_dropped(runs, sizes):
