@@ -490,6 +490,7 @@ def test_rank_that_dies_hard(how, expected):
 def _dies_slowly_after_its_peer_reports(rank, world_size):
     if rank == 1:  # gloo's words for a pair whose other end has exited, said at once
         raise RuntimeError("[/gloo/transport/tcp/pair.cc:598] Connection reset by peer")
+    print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", file=sys.stderr, flush=True)
     time.sleep(1.0)  # rank 0 is still dying, as gloo's abort and faulthandler's dump take time under load
     os.kill(os.getpid(), signal.SIGABRT)
 

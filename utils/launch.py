@@ -300,18 +300,27 @@ def _without_main():
         sys.modules["__main__"] = main
 
 
+DYING = ("terminate called", "Fatal Python error")  # a C++ abort (gloo's), then faulthandler's dump
+
+
 def _wait_for_a_dying_peer(procs, rundir, failed, seconds=5.0):
     """A rank whose peer died reports at once ("Connection reset by peer"), while the peer may still be dying: gloo's
-    abort writes its reason, then faulthandler every thread's stack, slowly on a loaded machine. Killing the ranks
-    still running then would hide the cause behind its echo: give them up to `seconds` to end on their own first."""
+    abort writes its reason, then faulthandler every thread's stack, slowly on a loaded machine. Killing it then
+    would hide the cause behind its echo: a rank still running that has begun to die (DYING in its stderr) gets up
+    to `seconds` to end on its own. A rank merely stuck is not waited for."""
     report = _read_report(rundir, failed[0])
     if report[0] != "error" or not PEER_LEFT.search(report[2]):
         return
     deadline = time.monotonic() + seconds
-    while (alive := [p.sentinel for p in procs if p.is_alive()]) and time.monotonic() < deadline:
-        if any(not p.is_alive() and _read_report(rundir, rank)[0] == "none" for rank, p in enumerate(procs)):
-            return  # the peer that died
-        wait_for_any(alive, timeout=max(0.0, deadline - time.monotonic()))
+    while (dying := [p.sentinel for rank, p in enumerate(procs) if p.is_alive() and _dying(rundir, rank)]) \
+            and time.monotonic() < deadline:
+        wait_for_any(dying, timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _dying(rundir, rank):
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(rundir, f"{rank}.err"), errors="replace") as f:
+        return any(words in f.read() for words in DYING)
+    return False
 
 
 def _stop(procs):
