@@ -15,8 +15,25 @@ What each term was checked against (the constants are the devices', describe.py)
                          of bus bandwidth, issue 1218). Priced so (g x 45 GB/s, up to NVLink's), the table moves away
                          from its sources: Narayanan et al.'s DeepSpeed 0.3 ZeRO-3 rows go from 0.88-1.00 to 1.25-2.23
                          and tensor parallel 16 across two nodes costs what 8 in one does; throughput within 15% falls
-                         from 65 to 58 of 72 runs, layouts within 10% from 45 to 42 of 73. Not priced until those
-                         rows have another explanation.
+                         from 65 to 58 of 72 runs (megatron24 1.7B too, 1.05 to 1.15), layouts within 10% from 50 to
+                         46 of 73, among those offered from 70 to 62 (the search takes t 16 across nodes for MT-NLG
+                         and Llama 3's CP 16 run, t 2-4 with more data parallel for Megatron-LM's 18.4B to 70B; the
+                         530B ZeRO-3 on 640 and torchtitan's 8B FSDP rows come within 10%). Not priced until those
+                         rows have another explanation. What DeepSpeed 0.3.15 does (partition_parameters.py,
+                         stage3.py at v0.3.15), which one NIC's bandwidth stands in for: every tensor gathered alone
+                         (_allgather_param: torch.cuda.synchronize() first, so each pays a ring's whole latency,
+                         NCCL's LL, 0.6 and 5 us a step, for the biases and norms); a third gather per layer,
+                         recomputation's (its trace-based reuse, stage3_max_reuse_distance, needs the tracing that
+                         failed: issue 1174);
+                         each reduce-scatter a list (ProcessGroupNCCL copies the n inputs into one buffer: n kernels)
+                         on a side stream that the next fetch's torch.cuda.synchronize() waits for: exposed. All of it
+                         at one NIC predicts 0.50-0.69 of the six rows' throughput; at g NICs 0.90-1.08 for the 175B
+                         and 1.23-1.25 for the 530B (35-48 s a step, a fifth of it, not found; not memory: 51 and
+                         34 GB at 1120 and 2240 GPUs). Tensor parallel across nodes: Narayanan et al.'s Figure 13
+                         (162.2B, 32 layers, hidden 20480, 64 GPUs, t x p = 64, batch 32 and 128: Megatron-LM's
+                         examples/sc21/run_figure_13.sh) is the published test; at g NICs the planner puts t 16 x p 4
+                         at 0.88-0.95 of t 8 x p 8's throughput, at one NIC 0.42-0.45. The figure's values are not
+                         in the stored sources: recorded as runs, they decide between the two.
     not priced           NCCL's base latency per collective (6.6 us), its LL and LL128 protocols (less latency, less
                          bandwidth: kilobytes to a few megabytes), its tree all-reduce: all alpha terms together move
                          no published layout into or out of 10% (zeroed: 45 of 73 either way).

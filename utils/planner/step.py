@@ -221,7 +221,8 @@ def gather_copies_seconds(model, cluster, n):
     views), and PyTorch's ProcessGroupNCCL::allgather of a list gathers into a flat buffer and copies each of the n
     shards out, one copy_ each: n kernels per tensor, each at the device's fixed cost per kernel, waited for before
     the next tensor's gather starts. Its reduce-scatters (a list too) run on a side stream beside the backward
-    (stage3.py, average_tensor on reduction_stream), as the planner counts them. None at a fixed mfu."""
+    (stage3.py, average_tensor on reduction_stream), as the planner counts them, though the next fetch's
+    torch.cuda.synchronize() waits for them (not priced: communication.py's known limit). None at a fixed mfu."""
     if n == 1 or cluster.mfu is not None:
         return 0.0
     return model.layer_weight_tensors * n * cluster.kernel_seconds
