@@ -34,6 +34,14 @@ GPUS = {
                                "fp8_flops": 2 * GRAND_TETON_PEAK}),
     "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=pl.H100_SXM.intra.alpha, beta=0.8 * 200e9)}),
 }
+# DeepSeek-V3's all-to-all kernels run on SMs of their own, beside the computation: "only 20 SMs are sufficient to fully
+# utilize the bandwidths of IB and NVLink" (section 3.2.2), "we allocate 20 out of the 132 SMs available in the H800
+# GPU for this purpose, which will limit the computational throughput" (section 3.5.1). DualPipe pairs every forward
+# chunk with a backward chunk whose all-to-all it hides (3.2.1), so its products run on 112 SMs all step: at 112/132 of
+# the share of peak the planner's H100 reaches (matmul_efficiency; its peak, and so MFU, unchanged).
+H800_SMS, DEEPSEEK_COMMUNICATION_SMS = 132, 20
+GPUS["H800-80GB, 20 SMs communicating"] = ("H100 SXM", GPUS["H800-80GB"][1] | {
+    "matmul_efficiency": pl.H100_SXM.matmul_efficiency * (H800_SMS - DEEPSEEK_COMMUNICATION_SMS) / H800_SMS})
 ALPHA_INTER = pl.H100_SXM.inter.alpha  # seconds per step between nodes, as the planner's devices take it
 
 
@@ -281,6 +289,11 @@ FRAMEWORKS = {
         "Interleaved1F1B and, since pytorch/pytorch PR 133467 (2024-08), ScheduleInterleavedZeroBubble, whose "
         "split of the backward into input and weight gradients does not run under torch.compile "
         "(pytorch/pytorch issue 161904): offered only to eager runs (framework_offers)")),
+    "DeepSeek-V3": Framework(pl.RECOMPUTE + ("norms_up_fp8",), pl.SCHEDULES, (
+        "DeepSeek-AI 2024 (arXiv 2412.19437v2) section 3.2.3: every RMSNorm and MLA's up-projections recomputed, "
+        "section 3.3.3: activations cached in FP8 and E5M6 (the planner's norms_up_fp8, utils/planner/memory.py); "
+        "its other recomputation modes and schedules are not published: the planner's offered; DualPipe (3.2.1), "
+        "not among them, extends ZB-H1")),
     "Llama 3": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
         "Llama Team 2024 (arXiv 2407.21783) section 3.3.2: Meta's pipeline runs an interleaved schedule (after "
         "Narayanan et al.) with the micro-batches per round tunable, no zero-bubble schedule")),
@@ -1085,9 +1098,9 @@ def _others():
                                                        ("v_head_dim", 128), ("n_shared_experts", 1),
                                                        ("first_k_dense_replace", 3), ("intermediate_size", 18432),
                                                        ("topk_group", 4))),
-                   "H800-80GB", 2048, 400,
-                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True, schedule="ZB-H1",
-                          ep_overlap=True),
+                   "H800-80GB, 20 SMs communicating", 2048, 400,
+                   Layout(dp=128, pp=16, ep=64, global_batch=15360, recompute="norms_up_fp8", zero_stage=1,
+                          float8=True, schedule="ZB-H1", ep_overlap=True, framework="DeepSeek-V3"),
                    180e3, unit="gpu_hours_per_1e12_tokens",
                    assumptions=("Batch 15,360 sequences of 4096, its value after the first 469B tokens "
                                 "(section 4.2).",
