@@ -139,6 +139,52 @@ def test_torchtitans_selective_op_keeps_every_other_product():
     assert pl.estimate(llama, pl.cluster("H100 SXM", 8), 16, dataclasses.replace(config, dp=4))["fits"]
 
 
+DEEPSEEK_V3 = pl.Model(61, 7168, 128, 2048, 4096, 129280, num_experts=256, top_k=8, ffn_matrices=3, q_lora_rank=1536,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
+                       first_k_dense_replace=3, intermediate_size=18432, topk_group=4)
+
+
+def test_deepseek_v3s_recomputation_keeps_norm_inputs_latents_and_fp8_caches():
+    # per token of a MoE layer (arXiv 2412.19437v2, 3.2.3 and 3.3.3): the two norms' inputs 2h and the latents (1536,
+    # 512 + 64) in 16 bits; attention's output (128 heads x 128) in E5M6; the 8 dispatched copies of h and the 9
+    # experts' SwiGLU inputs (2 x 2048) in FP8. Q, K, V (up-projections) and the norms' and SwiGLU's outputs: none
+    h = 7168
+    kept = 2 * h * 2 + (1536 + 512 + 64) * 2 + 128 * 128 * 1.5 + 8 * h + 9 * 2 * 2048
+    assert kept == 151_680 and pl.memory.norms_up_fp8_bytes(DEEPSEEK_V3) == kept
+    config = pl.Config(micro_batch_size=2, recompute="norms_up_fp8")
+    assert pl.layer_activation_bytes(DEEPSEEK_V3, config) == 4096 * 2 * kept
+    none = pl.layer_activation_bytes(DEEPSEEK_V3, pl.Config(micro_batch_size=2))
+    assert none == 4096 * 2 * 340_096 and 0.44 < kept / 340_096 < 0.45
+    wrong = {"the attention output in bf16": kept + 128 * 128 * 0.5, "the up-projections' Q, K, V kept":
+             kept + (3 * 128 * 192 - 128 * 64) * 2, "the SwiGLU output kept": kept + 9 * 2048,
+             "the dispatched copies in bf16": kept + 8 * h}
+    assert all(bytes_ != kept for bytes_ in wrong.values())
+    # the dense first layers: no expert, the SwiGLU's inputs in 16 bits and w2's input in FP8
+    assert pl.memory.norms_up_fp8_bytes(DEEPSEEK_V3.dense_layer) == kept - 8 * h - 9 * 2 * 2048 + 18432 * (2 * 2 + 1)
+    tp2 = pl.Config(tp=2, micro_batch_size=2, recompute="norms_up_fp8")  # sequence parallel: all of it over t
+    assert pl.layer_activation_bytes(DEEPSEEK_V3, tp2) == 4096 * 2 * kept / 2
+    whole = dataclasses.replace(tp2, sequence_parallel=False)  # without: the norms' inputs whole on every rank
+    assert pl.layer_activation_bytes(DEEPSEEK_V3, whole) == 4096 * 2 * (kept + 2 * h * 2) / 2
+    assert "norms_up_fp8" not in pl.RECOMPUTE and "norms_up_fp8" in pl.RECOMPUTE_OTHER  # accepted, not searched
+
+
+def test_deepseek_v3s_recomputation_runs_the_up_projections_and_norms_again():
+    h100 = pl.cluster("H100 SXM", 2048)
+    config = pl.Config(dp=128, pp=16, ep=64, zero_stage=1, schedule="ZB-H1", float8=True, ep_overlap=True)
+    lt = pl.layer_times(DEEPSEEK_V3, h100, config)
+    tokens = 4096
+    ups = (pl.matmul_seconds(tokens, 1536, 128 * 192, h100, float8=True)  # wq_b, wkv_b
+           + pl.matmul_seconds(tokens, 512, 128 * 256, h100, float8=True))
+    norms_and_swiglu = tokens * ((2 * 7168 + 1536 + 512) * 4 + 9 * 2048 * 4) / h100.hbm_bandwidth
+    assert math.isclose(lt.norms_up, ups + norms_and_swiglu)
+    assert 0 < lt.norms_up < lt.attention < lt.forward  # a minor overhead (3.2.3), far below a forward
+    steps = {r: pl.estimate(DEEPSEEK_V3, h100, 15360, dataclasses.replace(config, recompute=r))
+             for r in ("none", "norms_up_fp8", "full")}
+    assert steps["none"]["step_s"] < steps["norms_up_fp8"]["step_s"] < steps["full"]["step_s"]
+    assert steps["full"]["memory_gb"] < steps["norms_up_fp8"]["memory_gb"] < steps["none"]["memory_gb"]
+    assert steps["norms_up_fp8"]["fits"] and not steps["none"]["fits"]
+
+
 def test_float8_products_run_at_the_fp8_peak_with_their_casts():
     h100 = pl.cluster("H100 SXM", 8)
     bf16 = pl.matmul_seconds(8192, 8192, 8192, h100)

@@ -34,6 +34,14 @@ GPUS = {
                                "fp8_flops": 2 * GRAND_TETON_PEAK}),
     "H800-80GB": ("H100 SXM", {"intra": pl.Link(alpha=pl.H100_SXM.intra.alpha, beta=0.8 * 200e9)}),
 }
+# DeepSeek-V3's all-to-all kernels run on SMs of their own, beside the computation: "only 20 SMs are sufficient to fully
+# utilize the bandwidths of IB and NVLink" (section 3.2.2), "we allocate 20 out of the 132 SMs available in the H800
+# GPU for this purpose, which will limit the computational throughput" (section 3.5.1). DualPipe pairs every forward
+# chunk with a backward chunk whose all-to-all it hides (3.2.1), so its products run on 112 SMs all step: at 112/132 of
+# the share of peak the planner's H100 reaches (matmul_efficiency; its peak, and so MFU, unchanged).
+H800_SMS, DEEPSEEK_COMMUNICATION_SMS = 132, 20
+GPUS["H800-80GB, 20 SMs communicating"] = ("H100 SXM", GPUS["H800-80GB"][1] | {
+    "matmul_efficiency": pl.H100_SXM.matmul_efficiency * (H800_SMS - DEEPSEEK_COMMUNICATION_SMS) / H800_SMS})
 ALPHA_INTER = pl.H100_SXM.inter.alpha  # seconds per step between nodes, as the planner's devices take it
 
 
@@ -281,6 +289,11 @@ FRAMEWORKS = {
         "Interleaved1F1B and, since pytorch/pytorch PR 133467 (2024-08), ScheduleInterleavedZeroBubble, whose "
         "split of the backward into input and weight gradients does not run under torch.compile "
         "(pytorch/pytorch issue 161904): offered only to eager runs (framework_offers)")),
+    "DeepSeek-V3": Framework(pl.RECOMPUTE + ("norms_up_fp8",), pl.SCHEDULES, (
+        "DeepSeek-AI 2024 (arXiv 2412.19437v2) section 3.2.3: every RMSNorm and MLA's up-projections recomputed, "
+        "section 3.3.3: activations cached in FP8 and E5M6 (the planner's norms_up_fp8, utils/planner/memory.py); "
+        "its other recomputation modes and schedules are not published: the planner's offered; DualPipe (3.2.1), "
+        "not among them, extends ZB-H1")),
     "Llama 3": Framework(("none", "selective", "full"), MEGATRON_SCHEDULES, (
         "Llama Team 2024 (arXiv 2407.21783) section 3.3.2: Meta's pipeline runs an interleaved schedule (after "
         "Narayanan et al.) with the micro-batches per round tunable, no zero-bubble schedule")),
@@ -1085,9 +1098,9 @@ def _others():
                                                        ("v_head_dim", 128), ("n_shared_experts", 1),
                                                        ("first_k_dense_replace", 3), ("intermediate_size", 18432),
                                                        ("topk_group", 4))),
-                   "H800-80GB", 2048, 400,
-                   Layout(dp=128, pp=16, ep=64, global_batch=15360, zero_stage=1, float8=True, schedule="ZB-H1",
-                          ep_overlap=True),
+                   "H800-80GB, 20 SMs communicating", 2048, 400,
+                   Layout(dp=128, pp=16, ep=64, global_batch=15360, recompute="norms_up_fp8", zero_stage=1,
+                          float8=True, schedule="ZB-H1", ep_overlap=True, framework="DeepSeek-V3"),
                    180e3, unit="gpu_hours_per_1e12_tokens",
                    assumptions=("Batch 15,360 sequences of 4096, its value after the first 469B tokens "
                                 "(section 4.2).",
@@ -1098,11 +1111,23 @@ def _others():
                                 "Config.ep_overlap.",
                                 "Node-limited routing: each token's experts on at most 4 nodes (section 2.1.2; "
                                 "config.json's topk_group 4), so at most 4 copies cross InfiniBand; the dispatch in "
-                                "FP8 (section 3.3.2) is not modelled (16 bits both ways).",
-                                "Recomputation: the planner's best that fits is full; DeepSeek recomputes only the "
-                                "RMSNorms and MLA's up-projections and keeps some activations in FP8 (sections "
-                                "3.2.3, 3.3.2), which the planner has no mode for. Multi-token prediction (one "
-                                "more layer and output head on the last stage) is not counted.",
+                                "FP8 (section 3.3.3) is not modelled (16 bits both ways).",
+                                "Recomputation as section 3.2.3 says it ran: 'We recompute all RMSNorm operations "
+                                "and MLA up-projections during back-propagation'; the activations cached in FP8, "
+                                "attention's output in E5M6, the MoE SwiGLU's inputs cached and its output "
+                                "recomputed (3.3.3): the planner's norms_up_fp8 (utils/planner/memory.py), 53 GB "
+                                "at micro-batch 1 (101 GB without recomputation, 19 GB with full, which the record "
+                                "took before: 0.93 of the reported throughput, its split 1.31 behind the planner's "
+                                "best). The report publishes no memory per GPU.",
+                                "Its all-to-all kernels hold 20 of the H800's 132 SMs beside the computation "
+                                "(sections 3.2.2 and 3.5.1): the products at 112/132 of the planner's efficiency "
+                                "(GPUS); without, 1.22 of the reported throughput.",
+                                "Not counted: multi-token prediction (one more MoE layer, and the output head run "
+                                "again, on the rank holding the embedding and head, section 3.2.3), which would "
+                                "slow the predicted step; DualPipe's second copy of the parameters (3.2.1); BF16 "
+                                "Adam moments beside FP32 master weights and gradients (3.3.3: 8 + 4 bytes per "
+                                "parameter against the planner's 12 + 2); the EMA of the weights, kept in CPU "
+                                "memory (3.2.3), takes none of the GPU's.",
                                 "Sections 1, 3.1, 3.2 and 4.2 as transcribed in stored copies of the report (its "
                                 "links: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); the shape from the released "
                                 "config.json (61 layers, 7168, 128 heads, 256 routed experts of 2048, top 8, "
@@ -1185,7 +1210,7 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
         "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
     r"deepseek-v3 ": Reason(
-        "TP avoided by design; DeepSeek recomputed only norms and MLA up-projections, the planner needs full recompute",
+        "TP avoided by design: memory optimised 'to train DeepSeek-V3 without using costly Tensor Parallelism'",
         "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv 2412.19437), sections 3.2 and 3.2.3",
         {"tp": {1}, "cp": {1}}),
     r"megatron24 ": Reason(

@@ -72,6 +72,7 @@ class LayerTimes:
     attention: float  # QK^T and AV
     elementwise: float
     flops: float
+    norms_up: float = 0.0  # what DeepSeek-V3's recomputation (norms_up_fp8) adds to the backward: up_recompute_seconds
 
     # cached: the search reads them for every config of a split (the fields are frozen, so they cannot go stale)
     @functools.cached_property
@@ -136,7 +137,23 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     flops = (2 * tokens / t * model.layer_matmul_params
              + b * model.seq_len / cp * model.attention_flops_per_token / t)
     traffic = ELEMENTWISE_TRAFFIC if fused else ELEMENTWISE_TRAFFIC_EAGER
-    return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops)
+    return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops,
+                      up_recompute_seconds(model, cluster, tp, tokens, float8))
+
+
+def up_recompute_seconds(model, cluster, tp, tokens, float8=False):
+    """What DeepSeek-V3's recomputation (memory.py, norms_up_fp8) runs again in a layer's backward, for `tokens`
+    tokens on one tensor-parallel rank: latent attention's up-projections (wq_b, wkv_b; products as the forward runs
+    them), every RMSNorm (the layer's two over h, the latents' over q_lora_rank and kv_lora_rank: each input read and
+    output written in 16 bits), and a MoE layer's SwiGLU outputs from its cached FP8 inputs (2 ffn_dim read at 1 byte,
+    ffn_dim written, per expert a token goes through)."""
+    h, e, t = model.dim, model.activation_bytes, tp
+    ups = [(k, n // t) for k, n in model.attention_matrices[:-1] if k != h] if model.mla else []
+    products = sum(matmul_seconds(tokens, k, n, cluster, element_bytes=e, float8=float8) for k, n in ups)
+    norms = (2 * h + model.q_lora_rank + model.kv_lora_rank) * 2 * e
+    experts = model.top_k * model.capacity_factor + model.n_shared_experts if model.moe else 0
+    swiglu = experts * model.ffn_dim * (2 + e) if model.ffn_matrices == 3 else 0
+    return products + memory_bound_seconds(tokens * (norms + swiglu) / t, cluster)
 
 
 def attention_shapes(model, tp):

@@ -10,8 +10,10 @@ from utils.sizes import check_int, divide
 
 RECOMPUTE = ("none", "selective", "full")
 # torchtitan's selective "op" policy (torchtitan/parallelisms/parallelize_llama.py, _save_list at 9dec370): keeps the
-# outputs of every other matrix product and of attention, recomputes the rest; accepted, not searched
-RECOMPUTE_OTHER = ("selective_op",)
+# outputs of every other matrix product and of attention, recomputes the rest;
+# accepted, not searched; DeepSeek-V3's norms_up_fp8 (memory.py: every RMSNorm and latent attention's up-projections
+# recomputed, activations cached in FP8 and E5M6), offered to its record's framework only (utils.planner_runs)
+RECOMPUTE_OTHER = ("selective_op", "norms_up_fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("1F1B", "interleaved", "ZB-H1")
 CP_MODES = ("ring", "all_gather")

@@ -14,6 +14,26 @@ With e bytes per element, s b ((6h + 2 kv_dim + 2 or 3 f) e + 2h masks + a s (e 
 kv_dim = h, f = 4h, GELU, dropout, no flash attention: exactly 34 s b h + 5 a s^2 b (a test checks it). Tensor parallel
 with sequence parallel divides all of it by t (their Table 2); without, 10 s b h of it stays whole on every rank;
 context parallel holds s / cp tokens.
+
+DeepSeek-V3's mode, norms_up_fp8 (its technical report, arXiv 2412.19437v2, section 3.2.3: "We recompute all RMSNorm
+operations and MLA up-projections during back-propagation, thereby eliminating the need to persistently store their
+output activations"; section 3.3.3, "Low-Precision Activation": the Linear operators' inputs cached in FP8, "the
+inputs of the Linear after the attention operator" in "a customized E5M6 data format", and "we cache the inputs of the
+SwiGLU operator and recompute its output in the backward pass", in FP8). Per layer and element of s b it keeps:
+    the two RMSNorms' inputs (the layer's input, and it plus attention's output) 2 h, in 16 bits: their outputs, the
+               inputs of wq_a, wkv_a and of the MLP, are recomputed from them;
+    latent attention's latents, the inputs of its RMSNorms: q_lora_rank, and kv_lora_rank + qk_rope_head_dim (the
+               rotary key k_pe beside it), in 16 bits; the up-projections' outputs (every head's Q, K and V) are
+               recomputed; without latent attention, Q, K and V in 16 bits (they come from no up-projection);
+    attention's output, wo's input, in E5M6: 1.5 bytes (12 bits);
+    a MoE layer: the routed experts' inputs as dispatched, top_k (x capacity factor) copies of h in FP8 (section
+               3.3.3, "Low-Precision Communication": "we quantize the activation before MoE up-projections into FP8
+               and then apply dispatch components"), and every expert's (routed and shared) SwiGLU inputs, 2 ffn_dim
+               each, in FP8; the shared experts' input is the recomputed norm's output;
+    a dense layer (the report says nothing of its MLP): the activation's inputs in 16 bits and w2's input in FP8.
+At DeepSeek-V3's shape (h 7168, latents 1536 and 576, 128 heads of value 128, top 8 of 2048-wide experts and one
+shared) a MoE layer keeps 28,672 + 4,224 + 24,576 + 57,344 + 36,864 = 151,680 bytes per token, 0.45 of the
+340,096 it keeps without recomputation; during a layer's backward its recomputed Q, K, V are held besides.
 """
 import operator
 
@@ -28,6 +48,8 @@ RUNTIME_BYTES = 2e9
 # ZeRO-2's reduce bucket: Megatron-LM's default --ddp-bucket-size, max(40M, 1M x dp) elements
 # (megatron/core/distributed/distributed_data_parallel.py); unsharded gradients wait there for their reduce-scatter.
 BUCKET_ELEMENTS = 40e6
+# DeepSeek-V3's cached activations (module docstring): FP8 (E4M3) 1 byte, its E5M6 12 bits
+FP8_BYTES, E5M6_BYTES = 1, 1.5
 
 
 def zero_sharded_bytes(num_params, model, data_ranks, zero_stage):
@@ -164,6 +186,8 @@ def _layer_activation_bytes(model, config, recompute=None):
     # a token's expert MLPs: top_k routed (up to the capacity factor) and the shared ones
     f = model.ffn_dim * (model.top_k * model.capacity_factor + model.n_shared_experts if model.moe else 1)
     q, k, v, out, latents = model.attention_widths  # h, kv_dim, kv_dim, h without latent attention
+    if recompute == "norms_up_fp8":
+        return s * b * norms_up_fp8_bytes(model, whole) / t
     if recompute == "selective_op":  # input h (split like the norms'), wq's q, wv's v, w1's f, w2's h, attention's
         return s * b * (h * whole + q + v + out + h + f) * e / t
     kept_by_mlp = 3 if model.ffn_matrices == 3 else 2  # SwiGLU: w1 x, w3 x, silu(w1 x) w3 x; GELU: input, output
@@ -172,6 +196,31 @@ def _layer_activation_bytes(model, config, recompute=None):
     if recompute == "none" and not model.flash_attention:
         split += model.num_heads * s * (e + (1 + e) * model.dropout)  # softmax output (and dropout's mask, output)
     return s * b * (unsplit * whole + split) / t
+
+
+def norms_up_fp8_bytes(model, whole=1):
+    """Bytes per token and layer that DeepSeek-V3's recomputation keeps (the module docstring), times t (the caller
+    divides by it): the norms' inputs whole on every tensor-parallel rank without sequence parallel (whole = t)."""
+    h, e, f = model.dim, model.activation_bytes, model.ffn_dim
+    q, k, v, out, _ = model.attention_widths
+    latents = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim  # the latent norms' inputs, k_pe
+    if not model.mla:
+        latents += q + k + v  # no up-projection to recompute them from
+    elif not model.q_lora_rank:
+        latents += q  # the queries straight from dim (wq): kept
+    kept = 2 * h * e * whole + latents * e + out * E5M6_BYTES
+    if model.moe:
+        routed = model.top_k * model.capacity_factor
+        return kept + routed * h * FP8_BYTES + (routed + model.n_shared_experts) * (model.ffn_matrices - 1) * f * \
+            FP8_BYTES
+    return kept + (model.ffn_matrices - 1) * f * e + f * FP8_BYTES
+
+
+def recomputed_up_projection_bytes(model, config):
+    """What norms_up_fp8 holds on top of the saved tensors during a layer's backward: the layer's recomputed
+    Q, K and V (the up-projections' outputs), s b (q + k + v) e / t."""
+    q, k, v, _, _ = model.attention_widths
+    return model.seq_len / config.cp * config.micro_batch_size * (q + k + v) * model.activation_bytes / config.tp
 
 
 def logits_bytes(model, config):
@@ -223,6 +272,8 @@ def activation_bytes(model, config, num_micro_batches, stage=0):
     kept = pieces_in_flight(config, num_micro_batches, stage) * piece / config.v
     if config.recompute == "full":
         kept += recomputed_layer_bytes(model, config, stage)
+    if config.recompute == "norms_up_fp8":
+        kept += recomputed_up_projection_bytes(model, config)
     counted = (kept + embedding_dropout_bytes(model, config, num_micro_batches, stage)
                + stage_output_bytes(model, config, num_micro_batches, stage))
     return counted * (1 + config.uncounted_activations * (config.recompute == "none"))

@@ -283,7 +283,8 @@ def _per_layer(model, cluster, config):
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
     merge_f, merge_b = terms[13:15]
     recomputed = {"full": lt.forward + merge_f, "selective": lt.attention + merge_f, "none": 0.0,
-                  "selective_op": lt.matmul / 2 + lt.elementwise}[c.recompute]  # every other product, the rest
+                  "selective_op": lt.matmul / 2 + lt.elementwise,  # every other product, the rest
+                  "norms_up_fp8": lt.norms_up}[c.recompute]  # DeepSeek-V3's (compute.up_recompute_seconds)
     forward_layer = lt.forward + merge_f + tp_f + cp_f + ep_f
     backward_layer = lt.input_grad + lt.weight_grad + merge_b + tp_b + cp_b + ep_b
     if c.recompute == "full":
