@@ -48,8 +48,8 @@ import operator
 
 from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
-from utils.planner.compute import (attention_shapes, kv_width, layer_times, memory_bound_seconds,
-                                   output_layer_seconds, tp_pair_products)
+from utils.planner.compute import (kv_width, layer_times, memory_bound_seconds, output_layer_seconds,
+                                   tp_pair_products)
 from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
 from utils.planner.memory import model_state_bytes, stage_params
 
@@ -228,24 +228,16 @@ def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, sc
     cost t - 1 more kernels per product (compute.tp_pair_products); the gather first copies the rank's shard into
     its symmetric-memory buffer (read and written), and the reduce-scatter ends with a sum of the t partial chunks
     it received (torch.sum over the stacked partials: the whole output read, 1/t of it written), both memory-bound
-    and exposed. With more than one sequence in a micro-batch, the sequence dimension (dim 1, sequence parallel's
-    Shard(1)) is moved to the front and flattened before the pieces are cut (A.movedim(scatter_dim, 0).flatten(0,
-    -2), the same for gather_dim): a copy of the gathered shard and of the row-parallel product's input, read and
-    written (torchtitan's apply_tp at 9dec370 notes it: "we can accelerate Sequence Parallel by folding (and
-    unfolding) the batch dimension and the sequence dimension", its PR 437)."""
-    t, batched = config.tp, config.micro_batch_size > 1
+    and exposed."""
+    t = config.tp
     share = (t - 1) / t
-    shard_copy = (1 + batched) * memory_bound_seconds(2 * gathered_bytes / t, cluster)
+    shard_copy = memory_bound_seconds(2 * gathered_bytes / t, cluster)
     reduce = memory_bound_seconds(scattered_bytes * (1 + 1 / t), cluster)
-    tokens = config.micro_batch_size * model.seq_len // config.cp
-    input_bytes = 1 if config.float8 else model.activation_bytes
-    row_inputs = [attention_shapes(model, t)[-1][0]] + ([] if model.moe else [model.ffn_dim // t])
     forward = backward = 0.0
-    for (columns, row), (columns_t, row_t), k in zip(tp_pair_products(model, cluster, config),
-                                                     tp_pair_products(model, cluster, config, pieces=t), row_inputs):
-        row_copy = memory_bound_seconds(2 * tokens * k * input_bytes, cluster) if batched else 0.0
+    for (columns, row), (columns_t, row_t) in zip(tp_pair_products(model, cluster, config),
+                                                  tp_pair_products(model, cluster, config, pieces=t)):
         forward += (max(0.0, gather - share * columns) + columns_t - columns + shard_copy
-                    + max(0.0, scatter - share * row) + row_t - row + row_copy + reduce)
+                    + max(0.0, scatter - share * row) + row_t - row + reduce)
         backward += max(0.0, gather - share * row) + row_t - row + shard_copy + scatter
     return forward, backward
 
