@@ -78,14 +78,14 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # Tensor parallel under AsyncTP as PyTorch's micro-pipeline runs it (utils/planner/step.py, async_tp_seconds): each
 # collective hides behind the products it is fused with, (t-1)/t of them (the all-gather behind wq, wk, wv or w1, w3;
 # the reduce-scatter behind wo or w2), not behind all of the layer's; the t pieces' kernels, the shard's copy into
-# symmetric memory, the sum of the received partials and, above one sequence a micro-batch, the sequence dimension
-# moved to the front, exposed. torchtitan's 70B 2D + AsyncTP 1.02 -> 0.955, its gain over 2D 16% -> 8.9% (Table 4
-# measured 5.7%; the same 70B at FSDP 16 x TP 8, Float8 tensorwise, full recomputation, +15.9% in March 2025:
-# pytorch/pytorch issue 149990, where the planner says 8.7-8.9%: the gain moved with PyTorch's nightlies, and the
-# planner prices the mechanism, not either number); 405B schedules 1.12, 1.14 -> 1.08, 1.10. Throughput 65 of 72,
-# layouts 50 of 73 (70 of 73 offered), fits and OOM unchanged. The 2D row's 0.93 and 1.11 are not the TP terms: it
-# moves per layer and pass what torchtitan's plan moves (an fp8 all-gather and a bf16 reduce-scatter per column/row
-# pair, at NCCL's 360-370 GB/s on NVLink), all exposed without AsyncTP.
+# symmetric memory and the sum of the received partials exposed. torchtitan's 70B 2D + AsyncTP 1.02 -> 0.96, its gain
+# over 2D 16% -> 9.6% (Table 4 measured 5.7%; the same 70B at FSDP 16 x TP 8, Float8 tensorwise, full recomputation,
+# +15.9% in March 2025: pytorch/pytorch issue 149990, where the planner says 9.4-9.6% at local batch 8-16: the gain
+# moved with PyTorch's nightlies, and the planner prices the mechanism, not either number); 405B schedules 1.12,
+# 1.14 -> 1.09, 1.11. Throughput 65 of 72, layouts 50 of 73 (70 of 73 offered), fits and OOM unchanged. The 2D
+# row's 0.93 and 1.11 are not the TP terms: it moves per layer and pass what torchtitan's plan moves (an fp8
+# all-gather and a bf16 reduce-scatter per column/row pair, at NCCL's 360-370 GB/s on NVLink), all exposed without
+# AsyncTP.
 LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.68, 0.95  # the shares reached: a regression below them fails
 UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
                                    strict=False)

@@ -1010,7 +1010,7 @@ def _megatron_core_h100():
                              "optimizer (--use-distributed-optimizer, ZeRO-1; FSDP came later): ZeRO 0 or 1.",
                              MEGATRON_BF16,
                              "The README's tensor-parallel overlap is not given to the planner: its tp_overlap prices "
-                             "PyTorch's AsyncTP (each collective behind the products it is fused with: 1.07-1.19x the "
+                             "PyTorch's AsyncTP (each collective behind the products it is fused with: 1.08-1.20x the "
                              "measured throughput at TP 8; hiding every collective behind all of the layer's products "
                              "gave 1.2-1.3x), not Transformer Engine's userbuffers; exposed is the nearer bound."),
                 disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.14x slower than the "
