@@ -224,11 +224,12 @@ def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, sc
     product's input gradient, while the reduce-scatter of the column products' summed input gradients is no
     product's output: exposed. Each fused pair runs as t pieces of t - 1 copies between peers
     (_pipelined_all_gather_and_consume, _pipelined_produce_and_all2all): the first piece's product (the rank's own
-    shard, or its own chunk) has no copy beside it, so (t - 1)/t of the products hide the collective; the t pieces
-    cost t - 1 more kernels per product (compute.tp_pair_products); the gather first copies the rank's shard into
-    its symmetric-memory buffer (read and written), and the reduce-scatter ends with a sum of the t partial chunks
-    it received (torch.sum over the stacked partials: the whole output read, 1/t of it written), both memory-bound
-    and exposed. Not counted: the pieces are cut along the sequence (A.movedim(scatter_dim, 0).flatten(0, -2)), a
+    shard, or its own chunk) has no copy beside it, so (t - 1)/t of the products hide the collective (PyTorch 2.13's
+    code; late 2024's ran the own shard's piece before the first copy, (t - 2)/t for a gather: 0.1% of torchtitan's
+    70B AsyncTP step); the t pieces cost t - 1 more kernels per product (compute.tp_pair_products); the gather first
+    copies the rank's shard into its symmetric-memory buffer (read and written), and the reduce-scatter ends with a
+    sum of the t partial chunks it received (torch.sum over the stacked partials: the whole output read, 1/t of it
+    written), both memory-bound and exposed. Not counted: the pieces are cut along the sequence (A.movedim(scatter_dim, 0).flatten(0, -2)), a
     copy of A with more than one sequence a micro-batch, but the inductor pass asks A's producer for that layout
     (force_stride_order with restride_A_for_fused_matmul_reduce_scatter, restride_A_shard_for_...), so the
     element-wise kernel that makes A writes it so."""
