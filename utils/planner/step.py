@@ -229,10 +229,10 @@ def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, sc
     70B AsyncTP step); the t pieces cost t - 1 more kernels per product (compute.tp_pair_products); the gather first
     copies the rank's shard into its symmetric-memory buffer (read and written), and the reduce-scatter ends with a
     sum of the t partial chunks it received (torch.sum over the stacked partials: the whole output read, 1/t of it
-    written), both memory-bound and exposed. Not counted: the pieces are cut along the sequence (A.movedim(scatter_dim, 0).flatten(0, -2)), a
-    copy of A with more than one sequence a micro-batch, but the inductor pass asks A's producer for that layout
-    (force_stride_order with restride_A_for_fused_matmul_reduce_scatter, restride_A_shard_for_...), so the
-    element-wise kernel that makes A writes it so."""
+    written), both memory-bound and exposed. Not counted: the pieces are cut along the sequence
+    (A.movedim(scatter_dim, 0).flatten(0, -2)), a copy of A with more than one sequence a micro-batch, but the
+    inductor pass asks A's producer for that layout (force_stride_order with restride_A_for_fused_matmul_reduce_
+    scatter, restride_A_shard_for_...), so the element-wise kernel that makes A writes it so."""
     t = config.tp
     share = (t - 1) / t
     shard_copy = memory_bound_seconds(2 * gathered_bytes / t, cluster)
