@@ -226,17 +226,30 @@ def test_the_runs_frameworks_cost_what_they_do():
                    for a in (False, True))
     pass_seconds = max(18 * sum(pl.stage_params(LLAMA2_7B, pipe, stage)) / cluster.hbm_bandwidth for stage in (0, 1))
     assert math.isclose(added["compute_s"] - kept["compute_s"], kept["micro_batches"] * pass_seconds, rel_tol=1e-6)
-    # AsyncTP: forward, every tensor-parallel collective hidden behind the products (here all of it); backward, the
-    # reduce-scatters of wq/wk/wv's and w1/w3's summed input gradients exposed (micro_pipeline_tp fuses a
-    # reduce-scatter with one product only), the gathers hidden
+    # AsyncTP (PyTorch's micro-pipeline TP): each collective hides behind the products it is fused with, (t-1)/t of
+    # them (the first piece has no copy beside it): forward the all-gather behind wq, wk, wv (w1, w3), the
+    # reduce-scatter behind wo (w2); backward the output gradient's gather behind wo's (w2's) input gradient, the
+    # reduce-scatter of the column products' summed input gradients exposed; t - 1 more kernels per fused product,
+    # the shard's copy into symmetric memory and the sum of the t received partials, memory-bound
     h100 = pl.cluster("H100 SXM", 64)
     tp8 = pl.Config(dp=8, tp=8, micro_batch_size=1)
     plain, asynctp = (pl.estimate(LLAMA2_70B, h100, 8, dataclasses.replace(tp8, tp_overlap=o)) for o in (False, True))
-    activations = LLAMA2_70B.seq_len * LLAMA2_70B.dim * LLAMA2_70B.activation_bytes
-    scatter = pl.collective_seconds("reduce_scatter", 8, activations, h100.intra)
-    assert math.isclose(asynctp["tp_s"], LLAMA2_70B.num_layers * 2 * scatter, rel_tol=1e-9)
-    assert math.isclose(plain["tp_s"], 2 * asynctp["tp_s"] + 2 * LLAMA2_70B.num_layers * 2 * pl.collective_seconds(
-        "all_gather", 8, activations, h100.intra), rel_tol=1e-9)
+    m, h, f = LLAMA2_70B.seq_len, LLAMA2_70B.dim, LLAMA2_70B.ffn_dim
+    activations = m * h * LLAMA2_70B.activation_bytes
+    gather, scatter = (pl.collective_seconds(op, 8, activations, h100.intra) for op in ("all_gather", "reduce_scatter"))
+    assert math.isclose(plain["tp_s"], LLAMA2_70B.num_layers * 2 * 2 * (gather + scatter), rel_tol=1e-9)
+    pieces = 7 * h100.kernel_seconds
+    pairs = [([(h, h // 8), (h, 128), (h, 128)], (h // 8, h)), ([(h, f // 8)] * 2, (f // 8, h))]
+    copy, reduce = 2 * activations / 8 / h100.hbm_bandwidth, activations * 9 / 8 / h100.hbm_bandwidth
+    expected = 0.0
+    for columns, row in pairs:
+        columns_s, row_s = sum(pl.matmul_seconds(m, k, n, h100) for k, n in columns), pl.matmul_seconds(m, *row, h100)
+        expected += (max(0, gather - 7 / 8 * columns_s) + len(columns) * pieces + copy
+                     + max(0, scatter - 7 / 8 * row_s) + pieces + reduce)  # forward
+        expected += max(0, gather - 7 / 8 * row_s) + pieces + copy + scatter  # backward
+    assert math.isclose(asynctp["tp_s"], LLAMA2_70B.num_layers * expected, rel_tol=1e-9)
+    # wrong: every collective hidden behind all of the layer's products (the pieces' costs aside)
+    assert asynctp["tp_s"] > 1.5 * LLAMA2_70B.num_layers * 2 * scatter
     # Float8 with tensor parallel (torchao's Float8ColwiseParallel, Float8RowwiseParallel): the all-gathers in 1-byte
     # elements, forward and backward; the reduce-scatters of 16-bit outputs and input gradients as before
     fp8 = pl.estimate(LLAMA2_70B, h100, 8, dataclasses.replace(tp8, float8=True))

@@ -1022,10 +1022,10 @@ def _megatron_core_h100():
                              "Megatron-LM at that commit shards data-parallel state only with its distributed "
                              "optimizer (--use-distributed-optimizer, ZeRO-1; FSDP came later): ZeRO 0 or 1.",
                              MEGATRON_BF16,
-                             "The README's tensor-parallel overlap is not given to the planner: its tp_overlap hides "
-                             "every collective behind the products entirely (1.2-1.3x the measured throughput at TP "
-                             "8), where Transformer Engine's overlap hides part of them; exposed is the nearer "
-                             "bound."),
+                             "The README's tensor-parallel overlap is not given to the planner: its tp_overlap prices "
+                             "PyTorch's AsyncTP (each collective behind the products it is fused with: 1.08-1.20x the "
+                             "measured throughput at TP 8; hiding every collective behind all of the layer's products "
+                             "gave 1.2-1.3x), not Transformer Engine's userbuffers; exposed is the nearer bound."),
                 disagreement=("The smallest model (hidden 2048, no model parallelism) runs 1.14x slower than the "
                               "roofline's efficiency curve allows: at 2048 the products reach less of the peak "
                               "than the stated curve (compute.py) gives." if name == "1.7B" else ""))

@@ -7,8 +7,10 @@ than that computation is exposed.
     tp  per layer, pass and column/row pair (2 per dense layer, 1 per MoE layer): an all-gather and a
         reduce-scatter of the micro-batch's activations M = b (s/cp) h e (sequence parallel, notebook 09; with
         Float8, the all-gather in 1-byte elements, as torchao's float8 tensor parallel casts before it); exposed,
-        unless Config.tp_overlap (AsyncTP), then what the layer's products do not hide; backward, the reduce-scatters
-        of the column-parallel products' summed input gradients stay exposed (they fuse with no one product).
+        unless Config.tp_overlap (AsyncTP, async_tp_seconds): then each collective beside the products it is fused
+        with, (t-1)/t of them, plus what the micro-pipeline adds (t pieces per product, the shard's copy into
+        symmetric memory, the sum of the received partials); backward, the reduce-scatters of the column-parallel
+        products' summed input gradients stay exposed (they fuse with no one product).
     cp  ring attention (notebook 09): keys and values of the rank's heads, K = 2 b (s/cp) kv/t e, hop cp - 1 times
         forward, each hop beside one block of attention: exposed where the block is shorter than the hop; backward
         cp - 1 hops of keys, values and their gradients beside a block's backward, then the gradients' hop home.
@@ -46,7 +48,8 @@ import operator
 
 from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
-from utils.planner.compute import kv_width, layer_times, memory_bound_seconds, output_layer_seconds
+from utils.planner.compute import (kv_width, layer_times, memory_bound_seconds, output_layer_seconds,
+                                   tp_pair_products)
 from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
 from utils.planner.memory import model_state_bytes, stage_params
 
@@ -153,15 +156,10 @@ def _layer_terms(model, cluster, config):
     # backward, each output's gradient before its all-gather: the gathers move 1 byte an element; the reduce-scatters
     # (of the products' 16-bit outputs and input gradients) 2
     gathered = tokens * model.dim * (1 if c.float8 else e)
-    gathers = pairs * on("tp", "all_gather", gathered)
-    scatters = pairs * on("tp", "reduce_scatter", activations)
-    tp_pass = gathers + scatters
-    tp_f = max(0.0, tp_pass - lt.matmul) if c.tp_overlap else tp_pass
-    # AsyncTP backward (PyTorch's micro-pipeline TP, torch/_inductor/fx_passes/micro_pipeline_tp.py): a gather is
-    # fused with the product that takes it as left operand (the row-parallel wo's and w2's input gradients), a
-    # reduce-scatter only with one product's output (fuse_matmul_reduce_scatter); the input gradient of wq, wk, wv
-    # (of w1, w3) is the sum of their products, so its reduce-scatter stays exposed
-    tp_b = scatters + max(0.0, gathers - 2 * lt.matmul) if c.tp_overlap else tp_pass
+    tp_gather, tp_scatter = on("tp", "all_gather", gathered), on("tp", "reduce_scatter", activations)
+    tp_f = tp_b = pairs * (tp_gather + tp_scatter)
+    if c.tp_overlap and t > 1:
+        tp_f, tp_b = async_tp_seconds(model, cluster, c, tp_gather, tp_scatter, gathered, activations)
     kv_block = tokens * kv_width(model, t) * e
     merge_f = merge_b = 0.0
     if c.cp_mode == "ring":
@@ -212,6 +210,40 @@ def _layer_terms(model, cluster, config):
     out_f, out_b = output_layer_seconds(model, cluster, c)
     roots = root_unit_seconds(model, c, *links["dp"])
     return lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b, gather, reduce, n, pp_send, out_f, out_b, merge_f, merge_b, roots
+
+
+def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, scattered_bytes):
+    """(forward, backward) exposed seconds per layer and micro-batch of tensor parallel under AsyncTP (PyTorch's
+    micro-pipeline TP: torch/_inductor/fx_passes/micro_pipeline_tp.py rewrites each all-gather followed by products
+    of the gathered input into fused_all_gather_matmul, each product followed by a reduce-scatter into
+    fused_matmul_reduce_scatter; torch/distributed/_symmetric_memory/__init__.py runs them). gather, scatter: one
+    collective's seconds as NCCL would run it; gathered_bytes, scattered_bytes: the whole tensors.
+    Each collective hides behind the products it is fused with only, not behind the layer's others: the
+    all-gather behind the column-parallel products of the gathered input (wq, wk, wv; w1, w3), the reduce-scatter
+    behind the row-parallel product (wo; w2); backward, the gather of the output gradient behind the row-parallel
+    product's input gradient, while the reduce-scatter of the column products' summed input gradients is no
+    product's output: exposed. Each fused pair runs as t pieces of t - 1 copies between peers
+    (_pipelined_all_gather_and_consume, _pipelined_produce_and_all2all): the first piece's product (the rank's own
+    shard, or its own chunk) has no copy beside it, so (t - 1)/t of the products hide the collective (PyTorch 2.13's
+    code; late 2024's ran the own shard's piece before the first copy, (t - 2)/t for a gather: 0.1% of torchtitan's
+    70B AsyncTP step); the t pieces cost t - 1 more kernels per product (compute.tp_pair_products); the gather first
+    copies the rank's shard into its symmetric-memory buffer (read and written), and the reduce-scatter ends with a
+    sum of the t partial chunks it received (torch.sum over the stacked partials: the whole output read, 1/t of it
+    written), both memory-bound and exposed. Not counted: the pieces are cut along the sequence
+    (A.movedim(scatter_dim, 0).flatten(0, -2)), a copy of A with more than one sequence a micro-batch, but the
+    inductor pass asks A's producer for that layout (force_stride_order with restride_A_for_fused_matmul_reduce_
+    scatter, restride_A_shard_for_...), so the element-wise kernel that makes A writes it so."""
+    t = config.tp
+    share = (t - 1) / t
+    shard_copy = memory_bound_seconds(2 * gathered_bytes / t, cluster)
+    reduce = memory_bound_seconds(scattered_bytes * (1 + 1 / t), cluster)
+    forward = backward = 0.0
+    for (columns, row), (columns_t, row_t) in zip(tp_pair_products(model, cluster, config),
+                                                  tp_pair_products(model, cluster, config, pieces=t)):
+        forward += (max(0.0, gather - share * columns) + columns_t - columns + shard_copy
+                    + max(0.0, scatter - share * row) + row_t - row + reduce)
+        backward += max(0.0, gather - share * row) + row_t - row + shard_copy + scatter
+    return forward, backward
 
 
 def gather_copies_seconds(model, cluster, n):
