@@ -305,6 +305,12 @@ def test_notebook_12_solution_passes_every_check(schedules_right, capsys):
         assert verdict in out
 
 
+def test_the_split_passes_where_a_sums_bits_depend_on_the_thread_count(schedules_right):
+    """B and W run in apart's rank, on one thread; the caller compares with references computed on one thread too:
+    at a batch of 1024, 32 wide, a weight's gradient summed on two threads differs from one thread's by ~1e-13."""
+    check_backward_split(schedules_right.backward_input, schedules_right.backward_weight, 32, 3, 1024, 2)
+
+
 @pytest.mark.slow
 def test_notebook_12_solution_passes_on_more_ranks(schedules_right):
     check_12("interleaved", schedules_right, 4, num_layers=8, num_micro_batches=4)

@@ -410,6 +410,23 @@ def test_a_rank_with_several_threads_works_after_the_caller_used_its_thread_pool
     assert spawn(_parallel_matmul, 1, timeout=30) == [(512, threads_per_rank(1))]
 
 
+def _parallel_ops_and_parent(rank, world_size):
+    b = torch.randn(512, 512)
+    return (b @ b).shape[0], round(b.exp().sum().item() / b.exp().sum().item()), torch.get_num_threads(), os.getppid()
+
+
+def test_apart_forks_its_one_thread_rank_after_the_caller_used_its_thread_pool(start_method):
+    """9: apart's rank has one thread, so it is forked from the caller (no warm server to start: 3 s in a notebook
+    whose first launch is a check's), and a rank of one thread never enters OpenMP: its matmul and its elementwise
+    op (parallel with more threads) do not hang after the caller used its pool. With spawn: from the warm server."""
+    a = torch.randn(512, 512)
+    (a @ a).exp().sum()
+    shape, one, threads, parent = utils.launch.apart(_parallel_ops_and_parent, timeout=30)
+    assert (shape, one, threads) == (512, 1, 1)
+    if start_method == "fork":
+        assert parent == os.getpid()
+
+
 @pytest.mark.one_start_method
 def test_every_accepted_start_method_works():
     """4: a start method that resolve_start_method accepts ("forkserver" on Linux) works or is refused.

@@ -112,8 +112,9 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, start_method=None
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     if backend == "nccl" and start_method is None:
         start_method = "spawn"  # CUDA does not survive fork
-    context = rank_context(resolve_start_method(start_method), warm, world_size)
-    return _run_local(fn, world_size, args, kwargs, backend, timeout, context)
+    threads = threads_per_rank(world_size)
+    context = rank_context(resolve_start_method(start_method), warm, threads)
+    return _run_local(fn, world_size, args, kwargs, backend, timeout, context, threads)
 
 
 # ---------------------------------------------------------------- arguments and environment
@@ -160,15 +161,16 @@ def warm_ranks(warm=None):
     return os.environ.get(WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def rank_context(start_method, warm=None, world_size=1):
-    """The multiprocessing context that starts the ranks: fork; spawn; or, for spawn with warm ranks, a
-    forkserver that has imported torch once (see the module's opening comment).
+def rank_context(start_method, warm=None, threads=1):
+    """The multiprocessing context that starts ranks of `threads` threads each: fork; spawn; or, for spawn with
+    warm ranks, a forkserver that has imported torch once (see the module's opening comment).
 
     A forked rank must not use more than one thread: GNU OpenMP's thread pool does not survive fork, and
     a rank forked from a caller that has used it hangs in its first parallel op. So when each rank gets
     several threads (fewer ranks than cores), the ranks are not forked from the caller but started like
-    spawned ones: from the warm forkserver (which never runs a parallel op), or fresh."""
-    if start_method == "fork" and threads_per_rank(world_size) > 1:
+    spawned ones: from the warm forkserver (which never runs a parallel op), or fresh. A rank of one thread
+    never enters an OpenMP parallel region (ATen runs the loop inline), so it is forked."""
+    if start_method == "fork" and threads > 1:
         start_method = "spawn"
     if start_method == "spawn" and warm_ranks(warm):
         context = mp.get_context("forkserver")
@@ -182,12 +184,16 @@ def under_torchrun():
 
 
 def apart(fn, *args, timeout=60.0):
-    """fn(0, 1, *args) in a process of its own (a rank of one, as spawn starts it), its result returned: the caller
-    runs none of fn's code (the grader's checks: utils/grading). Under torchrun, which starts every rank, each rank
-    calls fn itself."""
+    """fn(0, 1, *args) in a process of its own (a rank of one, as spawn starts it, but with one thread), its result
+    returned: the caller runs none of fn's code (the grader's checks: utils/grading). One thread, because a rank of
+    one thread is forked (rank_context): a rank with the cores to itself is not, and a notebook whose first launch
+    is a check's would pay 3 s to start the warm server. Under torchrun, which starts every rank, each rank calls fn
+    itself."""
     if under_torchrun():
         return fn(0, 1, *args)
-    return spawn(fn, 1, *args, timeout=timeout)[0]
+    check_arguments(fn, 1, timeout=timeout)
+    context = rank_context(resolve_start_method(), threads=1)
+    return _run_local(fn, 1, args, {}, "gloo", timeout, context, threads=1)[0]
 
 
 def runnable_world_sizes(world_sizes):
@@ -251,7 +257,7 @@ def _leave_together():
 
 # ---------------------------------------------------------------- local processes
 
-def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
+def _run_local(fn, world_size, args, kwargs, backend, timeout, context, threads):
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as e:
@@ -268,7 +274,7 @@ def _run_local(fn, world_size, args, kwargs, backend, timeout, context):
                 ready.append(ready_receiver)
                 proc = context.Process(
                     target=_rank_main, name=f"rank {rank}",
-                    args=(rank, world_size, backend, timeout, payload, rundir, os.getpid(), ready_sender))
+                    args=(rank, world_size, threads, backend, timeout, payload, rundir, os.getpid(), ready_sender))
                 try:
                     proc.start()
                 finally:
@@ -361,7 +367,7 @@ def _wait(procs, ready, rundir, timeout):
     return "ok", []
 
 
-def _rank_main(rank, world_size, backend, timeout, payload, rundir, caller_pid, ready):
+def _rank_main(rank, world_size, threads, backend, timeout, payload, rundir, caller_pid, ready):
     """The body of one rank's process: capture output, join the group, run fn, report."""
     _capture_output(rundir, rank)
     faulthandler.enable(file=sys.stderr)  # a crash dumps this rank's Python stack into its own stderr
@@ -371,7 +377,7 @@ def _rank_main(rank, world_size, backend, timeout, payload, rundir, caller_pid, 
     stack_file.write(f"main thread {threading.get_ident():#x}\n")
     stack_file.flush()
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # for _where_stuck
-    torch.set_num_threads(threads_per_rank(world_size))
+    torch.set_num_threads(threads)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and loopback_interface():
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     try:

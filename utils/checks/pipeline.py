@@ -54,6 +54,7 @@ from utils import pytorch_reference
 from utils.checks import CHECK_TIMEOUT, TOLERANCE, max_abs_diff, seeded_randn
 from utils.intercept import RECEIVES, SENDS, intercept
 from utils.launch import RankError, apart, runnable_world_sizes, spawn
+from utils.mixed_precision import one_thread
 from utils.nd_parallel import journal_message, unpaired_messages
 from utils.model import build_mlp, loss_fn, make_batch, parameter_names, reference_gradients, train_reference
 
@@ -914,8 +915,9 @@ def check_backward_split(backward_input, backward_weight, hidden_dim, num_layers
     counts = sorted({1, num_micro_batches})
     cases = list(itertools.product(counts, range(SPLIT_PIECES)))
     runs = apart(_split_runs, backward_input, backward_weight, sizes, cases, timeout=CHECK_TIMEOUT)
-    for run, (m, piece_index) in zip(runs, cases):
-        _check_split_piece(run, piece_index, sizes, m)
+    with one_thread():  # the references on one thread, as apart's rank ran B and W: a sum's bits depend on the count
+        for run, (m, piece_index) in zip(runs, cases):
+            _check_split_piece(run, piece_index, sizes, m)
     print(f"backward_input (B) and backward_weight (W): correct on the first, a middle and the last of "
           f"{SPLIT_PIECES} pieces, micro-batches {counts}")
     print("  B alone leaves every .grad untouched; B then W equals one full backward bit for bit (the input's "
