@@ -36,26 +36,43 @@ ELEMENTWISE_TRAFFIC = 3
 ELEMENTWISE_TRAFFIC_EAGER = 4.5
 
 
-# float8 (torchao's Float8Linear, dynamic tensorwise scaling; Micikevicius et al. 2022, "FP8 Formats for Deep
-# Learning", section 4.3): before each product both 16-bit operands are read for their absolute maximum, then read
-# again and written scaled in 1 byte: 2 + 2 + 1 bytes moved per operand element.
-FLOAT8_CAST_BYTES = 5
+# float8 as torchao runs it (torchao.float8's Float8Linear, dynamic tensorwise scaling; its roofline,
+# torchao/testing/float8/roofline_utils.py at 042170f, counts these kernels). Each 16-bit tensor a product reads is
+# read once for its absolute maximum, then read again and written in 1 byte, once per layout the three products of a
+# linear need (torch._scaled_mm takes its first operand row-major, its second column-major: the weight gradient
+# reads the input and the output gradient transposed). Bytes moved per element, forward and backward:
+#   an input (one per distinct input: wq, wk, wv share theirs, as w1 and w3 do): 2 + 2 + 1 + 1, all forward;
+#   a weight: 2 + 2 + 1 forward (amax, e4m3), 2 + 1 backward (its column-major copy);
+#   an output gradient (e5m2, Micikevicius et al. 2022, section 4.3): 2 + 2 + 1 + 1, all backward.
+# Attention's QK^T and AV, the norms and the output layer stay in bf16 (torchtitan converts the layers' Linears only).
+FLOAT8_INPUT_BYTES = 6
+FLOAT8_WEIGHT_BYTES_FORWARD, FLOAT8_WEIGHT_BYTES_BACKWARD = 5, 3
+FLOAT8_GRAD_OUTPUT_BYTES = 6
 
 
 def matmul_seconds(m, k, n, cluster, batch=1, element_bytes=2, float8=False):
     """Seconds of `batch` products (m, k) x (k, n) on one device of `cluster` (the roofline above; with a fixed
-    cluster.mfu, their FLOPs at that share of peak). float8: at the device's float8 peak, with the same efficiency,
-    1-byte operands, and the casts of both operands (FLOAT8_CAST_BYTES per element) before it."""
+    cluster.mfu, their FLOPs at that share of peak). float8: at the device's float8 peak and float8 efficiency
+    (describe.py, fp8_efficiency_ratio), 1-byte operands; their casts are the layer's (float8_cast_seconds)."""
     flops = 2 * batch * m * k * n
     if cluster.mfu is not None:
         return flops / (cluster.peak_flops * cluster.mfu)
-    peak, cast = cluster.peak_flops, 0.0
+    peak, efficiency = cluster.peak_flops, cluster.matmul_efficiency
     if float8:
-        peak, element_bytes = cluster.fp8_flops, 1
-        cast = batch * (m * k + k * n) * FLOAT8_CAST_BYTES / cluster.hbm_bandwidth
-    compute = flops / (peak * cluster.matmul_efficiency)
+        peak, efficiency, element_bytes = cluster.fp8_flops, efficiency * cluster.fp8_efficiency_ratio, 1
+    compute = flops / (peak * efficiency)
     memory = batch * (m * k + k * n + m * n) * element_bytes / cluster.hbm_bandwidth
-    return max(compute, memory) + cast + cluster.kernel_seconds
+    return max(compute, memory) + cluster.kernel_seconds
+
+
+def float8_cast_seconds(groups, cluster):
+    """(forward, backward) seconds of the float8 casts of a layer's products (FLOAT8_* above). groups: (m, k, ns,
+    batch), one per distinct input (m, k), read by the products (k, n) for n in ns, `batch` of each."""
+    forward = sum(b * (m * k * FLOAT8_INPUT_BYTES + sum(k * n for n in ns) * FLOAT8_WEIGHT_BYTES_FORWARD)
+                  for m, k, ns, b in groups)
+    backward = sum(b * sum(m * n * FLOAT8_GRAD_OUTPUT_BYTES + k * n * FLOAT8_WEIGHT_BYTES_BACKWARD for n in ns)
+                   for m, k, ns, b in groups)
+    return memory_bound_seconds(forward, cluster), memory_bound_seconds(backward, cluster)
 
 
 def memory_bound_seconds(nbytes, cluster):
@@ -73,15 +90,17 @@ class LayerTimes:
     elementwise: float
     flops: float
     norms_up: float = 0.0  # what DeepSeek-V3's recomputation (norms_up_fp8) adds to the backward: up_recompute_seconds
+    casts_forward: float = 0.0  # float8's casts (float8_cast_seconds): of the inputs and weights
+    casts_backward: float = 0.0  # of the output gradients and the weights' column-major copies
 
     # cached: the search reads them for every config of a split (the fields are frozen, so they cannot go stale)
     @functools.cached_property
     def forward(self):
-        return self.matmul + self.attention + self.elementwise
+        return self.matmul + self.attention + self.elementwise + self.casts_forward
 
     @functools.cached_property
     def input_grad(self):
-        return self.matmul + 2 * self.attention + 2 * self.elementwise
+        return self.matmul + 2 * self.attention + 2 * self.elementwise + self.casts_backward
 
     @functools.cached_property
     def weight_grad(self):
@@ -103,19 +122,21 @@ def layer_times(model, cluster, config):
 def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False, fused=True):
     h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
-    shapes = [(tokens, k, n) for k, n in attention_shapes(model, t)]
+    *columns, row = attention_shapes(model, t)
+    # one group per distinct input (m, k, [n, ...], batch): the products reading the layer's normed input share it
+    groups = [(tokens, h, [n for k, n in columns if k == h], 1)]
+    groups += [(tokens, k, [n], 1) for k, n in columns if k != h] + [(tokens, row[0], [row[1]], 1)]
     shared = model.n_shared_experts * model.ffn_dim // t if model.moe else model.ffn_dim // t  # every token's MLP
     if shared:
-        shapes += [(tokens, h, shared)] * (model.ffn_matrices - 1) + [(tokens, shared, h)]
+        groups += [(tokens, h, [shared] * (model.ffn_matrices - 1), 1), (tokens, shared, [h], 1)]
     if model.moe:
         local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
-        per_expert = [(local, h, model.ffn_dim)] * (model.ffn_matrices - 1) + [(local, model.ffn_dim, h)]
-        shapes.append((tokens // t, h, model.num_experts))
-        experts = sum(matmul_seconds(*s, cluster, batch=model.num_experts // ep, element_bytes=e, float8=f8)
-                      for s in per_expert)
-    else:
-        experts = 0.0
-    matmul = sum(matmul_seconds(*s, cluster, element_bytes=e, float8=f8) for s in shapes) + experts
+        experts = [(local, h, [model.ffn_dim] * (model.ffn_matrices - 1), model.num_experts // ep),
+                   (local, model.ffn_dim, [h], model.num_experts // ep)]
+        groups += [(tokens // t, h, [model.num_experts], 1)] + experts
+    matmul = sum(matmul_seconds(m, k, n, cluster, batch=batch, element_bytes=e, float8=f8)
+                 for m, k, ns, batch in groups for n in ns)
+    casts = float8_cast_seconds(groups, cluster) if f8 else (0.0, 0.0)
     heads, blocks = b * model.num_heads // t, cp
     block = model.seq_len // cp
     # Known limit: flash attention never writes the s x s scores, yet the roofline's memory term counts them: at
@@ -138,7 +159,7 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
              + b * model.seq_len / cp * model.attention_flops_per_token / t)
     traffic = ELEMENTWISE_TRAFFIC if fused else ELEMENTWISE_TRAFFIC_EAGER
     return LayerTimes(matmul, attention, memory_bound_seconds(traffic * kept, cluster), flops,
-                      up_recompute_seconds(model, cluster, tp, tokens, float8))
+                      up_recompute_seconds(model, cluster, tp, tokens, float8), *casts)
 
 
 def up_recompute_seconds(model, cluster, tp, tokens, float8=False):

@@ -302,6 +302,7 @@ class GPU:
     matmul_efficiency: float = 0.8  # the share of peak a large bf16 GEMM reaches
     kernel_seconds: float = 5e-6  # fixed cost of one kernel: launch, the first wave's ramp and the last's tail
     fp8_flops: float = None  # dense float8 peak, per second; None: no float8 tensor cores
+    fp8_efficiency_ratio: float = 1.0  # a large float8 GEMM's share of fp8_flops over a bf16 one's of peak_flops
 
 
 # H100 SXM5 80GB (NVIDIA H100 datasheet, 2023): 989.4 TFLOP/s dense BF16 (1979 with 2:4 sparsity), HBM3 3.35 TB/s,
@@ -322,9 +323,16 @@ class GPU:
 # little is communicated) within 5% of their published 137 and 138 TFLOP/s per GPU: a fit to those two rows,
 # together with compute.ELEMENTWISE_TRAFFIC; the other eight rows are predictions.
 # The same datasheet's dense FP8 peak, 1978.9 TFLOP/s (3958 with sparsity), twice BF16's; the A100 has no FP8.
+# A large FP8 GEMM reaches a smaller share of it than a BF16 one of its peak: 0.62, 0.83 of BF16's 0.75
+# (fp8_efficiency_ratio), from torchao's float8 README (torchao/float8/README.md, "Performance", example 2): a
+# Float8Linear's forward and backward at M, K, N = 4096, 8192, 16384 on an H100, casts included, runs 1.39 times as
+# fast as bf16's. Its three bf16 products take 4.46 ms at 0.75 of 989 TFLOP/s, its casts (compute.py's FLOAT8_*
+# bytes) 0.50 ms at 3.35 TB/s: 4.46 / 1.39 - 0.50 = 2.71 ms for three FP8 products, 1.22 PFLOP/s, 0.62 of the FP8
+# peak (0.65 at the 2.4 TB/s torchao's roofline script names for Meta's H100s). Not a fit to any run of the table:
+# tests/test_planner.py recomputes the 1.39 from these constants.
 H100_SXM = GPU("H100 SXM", peak_flops=989.4e12, hbm_bandwidth=3.35e12, memory_bytes=81559 * MIB,
                intra=Link(alpha=3.4e-6, beta=0.8 * 450e9), inter=Link(alpha=14e-6, beta=0.9 * 50e9),
-               matmul_efficiency=0.75, fp8_flops=1978.9e12)
+               matmul_efficiency=0.75, fp8_flops=1978.9e12, fp8_efficiency_ratio=0.83)
 A100_80GB = GPU("A100 80GB", peak_flops=312e12, hbm_bandwidth=2.039e12, memory_bytes=81920 * MIB,
                 intra=Link(alpha=3.4e-6, beta=0.8 * 300e9), inter=Link(alpha=14e-6, beta=0.9 * 25e9),
                 matmul_efficiency=0.75)
@@ -349,6 +357,7 @@ class Cluster:
     kernel_seconds: float = H100_SXM.kernel_seconds
     gpu: str = "custom"
     fp8_flops: float = None  # dense float8 peak per device; None: none
+    fp8_efficiency_ratio: float = H100_SXM.fp8_efficiency_ratio  # a float8 GEMM's efficiency over a bf16 one's
 
     def __post_init__(self):
         check_int("num_devices", self.num_devices)
@@ -376,7 +385,7 @@ def cluster(gpu, num_devices, **changes):
     fields = dict(num_devices=num_devices, devices_per_node=g.devices_per_node, memory_bytes=g.memory_bytes,
                   intra=g.intra, inter=g.inter, peak_flops=g.peak_flops, hbm_bandwidth=g.hbm_bandwidth,
                   matmul_efficiency=g.matmul_efficiency, kernel_seconds=g.kernel_seconds, gpu=g.name,
-                  fp8_flops=g.fp8_flops)
+                  fp8_flops=g.fp8_flops, fp8_efficiency_ratio=g.fp8_efficiency_ratio)
     return Cluster(**(fields | changes))
 
 
