@@ -204,7 +204,7 @@ def test_float8_linear_is_as_much_faster_as_torchaos_readme_measures():
     products = [(m, k, n), (m, n, k), (k, m, n)]  # forward, input gradient, weight gradient
     bf16 = sum(pl.matmul_seconds(*s, h100) for s in products)
     fp8 = sum(pl.matmul_seconds(*s, h100, float8=True) for s in products)
-    fp8 += sum(compute.float8_cast_seconds([(m, k, [n], 1)], h100))
+    fp8 += sum(compute.float8_cast_seconds([(m, k, [n], 1, 1, 1)], h100))
     assert math.isclose(bf16 / fp8, 1.39, rel_tol=0.02)
     naive = sum(pl.matmul_seconds(*s, dataclasses.replace(h100, fp8_efficiency_ratio=1.0), float8=True)
                 for s in products)
@@ -226,6 +226,23 @@ def test_float8_casts_each_input_once_and_each_weight_and_output_gradient():
     assert lt.forward - bf16.forward == pytest.approx(lt.matmul - bf16.matmul + lt.casts_forward)
     assert bf16.casts_forward == bf16.casts_backward == 0.0
     assert lt.matmul < bf16.matmul and lt.attention == bf16.attention  # attention's products stay in bf16
+
+
+def test_float8_tensor_parallel_casts_the_shard_before_the_all_gather():
+    # torchao's Float8ColwiseParallel casts the normed inputs on the sequence-parallel shard, Float8RowwiseParallel
+    # the output gradients of wo and w2; the gathered copies are made column-major for the weight gradients
+    h100 = pl.cluster("H100 SXM", 8)
+    model, tokens, t = LLAMA2_70B, 2 * 4096, 8
+    h, kv, f = model.dim, model.kv_dim // t, model.ffn_dim // t
+    lt = pl.layer_times(model, h100, pl.Config(tp=8, micro_batch_size=2, float8=True))
+    weights = h * (h // t + 2 * kv) + h // t * h + 3 * h * f
+    normed, rows = 2 * tokens * h, 2 * tokens * h  # attention's and the MLP's inputs; wo's and w2's gradients
+    inputs, columns = tokens * (h // t + f), tokens * (h // t + 2 * kv + 2 * f)  # wo's and w2's inputs, local
+    assert math.isclose(lt.casts_forward, (5 * normed / t + 6 * inputs + 5 * weights) / h100.hbm_bandwidth)
+    assert math.isclose(lt.casts_backward, (2 * normed + 6 * columns + (5 / t + 2) * rows + 3 * weights)
+                        / h100.hbm_bandwidth)
+    whole = pl.layer_times(model, h100, pl.Config(tp=8, micro_batch_size=2, float8=True, sequence_parallel=False))
+    assert whole.casts_forward > lt.casts_forward and whole.casts_backward > lt.casts_backward  # cast whole, replicated
 
 
 def test_the_runs_frameworks_cost_what_they_do():

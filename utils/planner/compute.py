@@ -67,11 +67,24 @@ def matmul_seconds(m, k, n, cluster, batch=1, element_bytes=2, float8=False):
 
 def float8_cast_seconds(groups, cluster):
     """(forward, backward) seconds of the float8 casts of a layer's products (FLOAT8_* above). groups: (m, k, ns,
-    batch), one per distinct input (m, k), read by the products (k, n) for n in ns, `batch` of each."""
-    forward = sum(b * (m * k * FLOAT8_INPUT_BYTES + sum(k * n for n in ns) * FLOAT8_WEIGHT_BYTES_FORWARD)
-                  for m, k, ns, b in groups)
-    backward = sum(b * sum(m * n * FLOAT8_GRAD_OUTPUT_BYTES + k * n * FLOAT8_WEIGHT_BYTES_BACKWARD for n in ns)
-                   for m, k, ns, b in groups)
+    batch, shards, grad_shards), one per distinct input (m, k), read by the products (k, n) for n in ns, `batch` of
+    each. shards > 1: the input arrives by an all-gather under sequence parallel, and torchao's Float8 tensor
+    parallel casts it on the shard, before the gather (Float8ColwiseParallel); grad_shards > 1: likewise each output
+    gradient, cast on the shard before its backward all-gather (Float8RowwiseParallel). A tensor cast on a shard
+    then needs its gathered copy made column-major for the weight gradient (1-byte read and write, backward)."""
+    forward = backward = 0.0
+    for m, k, ns, batch, shards, grad_shards in groups:
+        weights = batch * k * sum(ns)
+        forward += weights * FLOAT8_WEIGHT_BYTES_FORWARD
+        backward += weights * FLOAT8_WEIGHT_BYTES_BACKWARD
+        if shards > 1:
+            forward += batch * m * k * (FLOAT8_INPUT_BYTES - 1) / shards
+            backward += batch * m * k * 2
+        else:
+            forward += batch * m * k * FLOAT8_INPUT_BYTES
+        grads = batch * m * sum(ns)
+        backward += grads * ((FLOAT8_GRAD_OUTPUT_BYTES - 1) / grad_shards + 2 if grad_shards > 1
+                             else FLOAT8_GRAD_OUTPUT_BYTES)
     return memory_bound_seconds(forward, cluster), memory_bound_seconds(backward, cluster)
 
 
@@ -123,19 +136,21 @@ def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=F
     h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
     *columns, row = attention_shapes(model, t)
-    # one group per distinct input (m, k, [n, ...], batch): the products reading the layer's normed input share it
-    groups = [(tokens, h, [n for k, n in columns if k == h], 1)]
-    groups += [(tokens, k, [n], 1) for k, n in columns if k != h] + [(tokens, row[0], [row[1]], 1)]
+    # one group per distinct input (m, k, [n, ...], batch, shards, grad_shards): the products reading the layer's
+    # normed input share it; under sequence parallel it arrives gathered, and the row products' output gradients too
+    sp = t if sequence_parallel and t > 1 else 1
+    groups = [(tokens, h, [n for k, n in columns if k == h], 1, sp, 1)]
+    groups += [(tokens, k, [n], 1, 1, 1) for k, n in columns if k != h] + [(tokens, row[0], [row[1]], 1, 1, sp)]
     shared = model.n_shared_experts * model.ffn_dim // t if model.moe else model.ffn_dim // t  # every token's MLP
     if shared:
-        groups += [(tokens, h, [shared] * (model.ffn_matrices - 1), 1), (tokens, shared, [h], 1)]
+        groups += [(tokens, h, [shared] * (model.ffn_matrices - 1), 1, sp, 1), (tokens, shared, [h], 1, 1, sp)]
     if model.moe:
         local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
-        experts = [(local, h, [model.ffn_dim] * (model.ffn_matrices - 1), model.num_experts // ep),
-                   (local, model.ffn_dim, [h], model.num_experts // ep)]
-        groups += [(tokens // t, h, [model.num_experts], 1)] + experts
+        experts = [(local, h, [model.ffn_dim] * (model.ffn_matrices - 1), model.num_experts // ep, 1, 1),
+                   (local, model.ffn_dim, [h], model.num_experts // ep, 1, 1)]
+        groups += [(tokens // t, h, [model.num_experts], 1, 1, 1)] + experts
     matmul = sum(matmul_seconds(m, k, n, cluster, batch=batch, element_bytes=e, float8=f8)
-                 for m, k, ns, batch in groups for n in ns)
+                 for m, k, ns, batch, *_ in groups for n in ns)
     casts = float8_cast_seconds(groups, cluster) if f8 else (0.0, 0.0)
     heads, blocks = b * model.num_heads // t, cp
     block = model.seq_len // cp
