@@ -190,7 +190,7 @@ def test_float8_products_run_at_the_fp8_peak_at_its_efficiency():
     h100 = pl.cluster("H100 SXM", 8)
     bf16 = pl.matmul_seconds(8192, 8192, 8192, h100) - h100.kernel_seconds
     fp8 = pl.matmul_seconds(8192, 8192, 8192, h100, float8=True) - h100.kernel_seconds
-    assert math.isclose(fp8, bf16 / 2 / h100.fp8_efficiency_ratio, rel_tol=1e-4)  # no cast here: the layer's (next test)
+    assert math.isclose(fp8, bf16 / 2 / h100.fp8_efficiency_ratio, rel_tol=1e-4)  # its casts: the layer's (below)
     assert h100.fp8_efficiency_ratio < 1  # twice the peak is not twice the speed
     with pytest.raises(ValueError, match="float8 needs a device with float8 tensor cores"):
         pl.estimate(LLAMA2_7B, pl.cluster("A100 80GB", 8), 8, pl.Config(dp=8, float8=True))
