@@ -331,21 +331,15 @@ def _any_saved_on(world_size):
     return sorted(set(runnable_world_sizes([world_size, 2])), reverse=True)
 
 
-def _spawn(fn, world_size, what, *args, **kwargs):
+def _spawn(fn, world_size, what, *args, copies_only=False, **kwargs):
+    """fn on world_size ranks, a rank's failure an AssertionError naming `what`. copies_only: ranks that only save
+    and load tensors (the same bits on any number of threads), so a rank of one runs apart (one thread, forked)
+    rather than spawn's rank of one, which has the cores to itself and so starts the warm server: 3 s of notebook
+    08's check."""
     try:
+        if copies_only and world_size == 1:
+            return [apart(fn, *args, timeout=CHECK_TIMEOUT)]
         return spawn(fn, world_size, *args, timeout=CHECK_TIMEOUT, **kwargs)
-    except RankError as e:
-        raise AssertionError(f"{what} failed on {world_size} ranks: {e}") from e
-
-
-def _spawn_copying(fn, world_size, what, *args):
-    """_spawn for ranks that only save and load tensors: a rank of one runs apart (one thread, forked), for spawn's
-    rank of one, with the cores to itself, starts the warm server: 3 s of notebook 08's check, its only call on one
-    rank. Copies have the same bits on any number of threads."""
-    if world_size > 1:
-        return _spawn(fn, world_size, what, *args)
-    try:
-        return [apart(fn, *args, timeout=CHECK_TIMEOUT)]
     except RankError as e:
         raise AssertionError(f"{what} failed on {world_size} ranks: {e}") from e
 
@@ -608,9 +602,10 @@ def verify_any_tensors(student, saved_on, loaded_on):
         folders = [os.path.join(root, str(n)) for n in saved_on]
         for n, folder in zip(saved_on, folders):
             os.makedirs(folder, exist_ok=True)
-            _spawn_copying(_save_any_main, n, "save_checkpoint", student.save_checkpoint, folder)
+            _spawn(_save_any_main, n, "save_checkpoint", student.save_checkpoint, folder, copies_only=True)
         for m in loaded_on:
-            loaded = _spawn_copying(_load_any_main, m, "load_checkpoint", student.load_checkpoint, folders)
+            loaded = _spawn(_load_any_main, m, "load_checkpoint", student.load_checkpoint, folders,
+                            copies_only=True)
             for i, n in enumerate(saved_on):
                 for name, full in tensors.items():
                     _verify_any_tensor(f"{name}, {full.dtype} of shape {tuple(full.shape)}, saved on {n} ranks, "

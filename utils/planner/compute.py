@@ -192,28 +192,26 @@ def up_recompute_seconds(model, cluster, tp, tokens, float8=False):
     return products + memory_bound_seconds(tokens * (norms + swiglu) / t, cluster)
 
 
-def tp_pair_products(model, cluster, config, pieces=1):
+def tp_pair_products(model, cluster, config):
     """Per column/row pair of a layer with tensor parallel (attention, then the MLP; attention alone in a MoE
-    layer), one micro-batch, one device, forward: (seconds of the products that read the gathered input, seconds
-    of the product whose output is reduce-scattered), the products AsyncTP fuses each collective with (step.py).
-    pieces: each product split into that many along its tokens, one kernel each (AsyncTP's micro-pipeline): the
-    same FLOPs, pieces - 1 more kernels at the device's fixed cost."""
-    return _tp_pair_products(model, cluster, config.tp, config.cp, config.micro_batch_size, config.float8, pieces)
+    layer), one micro-batch, one device, forward: (seconds of the products that read the gathered input, how many
+    they are, seconds of the product whose output is reduce-scattered), the products AsyncTP fuses each collective
+    with (step.py)."""
+    return _tp_pair_products(model, cluster, config.tp, config.cp, config.micro_batch_size, config.float8)
 
 
 @functools.lru_cache(maxsize=4096)
-def _tp_pair_products(model, cluster, tp, cp, b, float8, pieces):
+def _tp_pair_products(model, cluster, tp, cp, b, float8):
     tokens, h = b * model.seq_len // cp, model.dim
-    extra = (pieces - 1) * cluster.kernel_seconds if cluster.mfu is None else 0.0
 
     def seconds(shapes):
-        return sum(matmul_seconds(tokens, k, n, cluster, element_bytes=model.activation_bytes, float8=float8) + extra
+        return sum(matmul_seconds(tokens, k, n, cluster, element_bytes=model.activation_bytes, float8=float8)
                    for k, n in shapes)
     *columns, row = attention_shapes(model, tp)
-    pairs = [(seconds(columns), seconds([row]))]
+    pairs = [(seconds(columns), len(columns), seconds([row]))]
     if not model.moe:
         f = model.ffn_dim // tp
-        pairs.append((seconds([(h, f)] * (model.ffn_matrices - 1)), seconds([(f, h)])))
+        pairs.append((seconds([(h, f)] * (model.ffn_matrices - 1)), model.ffn_matrices - 1, seconds([(f, h)])))
     return pairs
 
 

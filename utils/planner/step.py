@@ -226,7 +226,7 @@ def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, sc
     (_pipelined_all_gather_and_consume, _pipelined_produce_and_all2all): the first piece's product (the rank's own
     shard, or its own chunk) has no copy beside it, so (t - 1)/t of the products hide the collective (PyTorch 2.13's
     code; late 2024's ran the own shard's piece before the first copy, (t - 2)/t for a gather: 0.1% of torchtitan's
-    70B AsyncTP step); the t pieces cost t - 1 more kernels per product (compute.tp_pair_products); the gather first
+    70B AsyncTP step); the t pieces cost t - 1 more kernels per product (at the device's fixed cost); the gather first
     copies the rank's shard into its symmetric-memory buffer (read and written), and the reduce-scatter ends with a
     sum of the t partial chunks it received (torch.sum over the stacked partials: the whole output read, 1/t of it
     written), both memory-bound and exposed. Not counted: the pieces are cut along the sequence
@@ -237,12 +237,12 @@ def async_tp_seconds(model, cluster, config, gather, scatter, gathered_bytes, sc
     share = (t - 1) / t
     shard_copy = memory_bound_seconds(2 * gathered_bytes / t, cluster)
     reduce = memory_bound_seconds(scattered_bytes * (1 + 1 / t), cluster)
+    pieces = (t - 1) * cluster.kernel_seconds if cluster.mfu is None else 0.0  # t kernels a product, not one
     forward = backward = 0.0
-    for (columns, row), (columns_t, row_t) in zip(tp_pair_products(model, cluster, config),
-                                                  tp_pair_products(model, cluster, config, pieces=t)):
-        forward += (max(0.0, gather - share * columns) + columns_t - columns + shard_copy
-                    + max(0.0, scatter - share * row) + row_t - row + reduce)
-        backward += max(0.0, gather - share * row) + row_t - row + shard_copy + scatter
+    for columns, count, row in tp_pair_products(model, cluster, config):
+        forward += (max(0.0, gather - share * columns) + count * pieces + shard_copy
+                    + max(0.0, scatter - share * row) + pieces + reduce)
+        backward += max(0.0, gather - share * row) + pieces + shard_copy + scatter
     return forward, backward
 
 
