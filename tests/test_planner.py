@@ -9,7 +9,7 @@ import pytest
 from utils import planner as pl
 from utils.planner import compute
 from utils.checks.planner import CASES, MODEL, check_memory_per_device, mistakes
-from utils.launch import spawn
+from utils.launch import apart, spawn
 from utils.notebooks import solution
 from utils.pipeline import interleaved_order
 from utils.transformer import TransformerSizes
@@ -807,6 +807,57 @@ def _fsdp2_step_main(rank, world_size, sizes):
     lm_loss(model(inputs), targets).backward()
     wire = None if before is None else bytes_written() - before
     return [(call.name, call.nbytes) for call in log], wire
+
+
+def _loss_backward_bytes_main(rank, world_size, tokens, vocab):
+    """What each loss's backward makes beside the saved log-probabilities, in bytes per logit of the rank: F.cross_
+    entropy's two kernels (tools/autograd/derivatives.yaml: nll_loss_backward, then _log_softmax_backward_data), and
+    loss_parallel's, measured inside the real backward of F.cross_entropy on vocabulary-sharded logits."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss as parallel_loss
+
+    from utils.memory import peak_new_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, vocab, generator=generator)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    log_probs, aten = logits.log_softmax(-1), torch.ops.aten
+    plain = peak_new_bytes(lambda: aten._log_softmax_backward_data(
+        aten.nll_loss_backward(torch.tensor(1.0), log_probs, labels, None, 1, -100, torch.tensor(float(tokens))),
+        log_probs, 1, torch.float32))[1]
+    # loss_parallel's handler of nll_loss_backward does all of its backward in this one function (a private name of
+    # torch 2.13, which the course pins): measured where the handler calls it
+    measured, backward = [], parallel_loss._nll_loss_and_log_softmax_backward
+
+    def measure(*args):
+        result, peak = peak_new_bytes(lambda: backward(*args))
+        measured.append(peak)
+        return result
+    sharded = distribute_tensor(logits, init_device_mesh("cpu", (world_size,)), [Shard(1)]).requires_grad_()
+    parallel_loss._nll_loss_and_log_softmax_backward = measure
+    try:
+        with parallel_loss.loss_parallel():
+            F.cross_entropy(sharded, labels).backward()
+    finally:
+        parallel_loss._nll_loss_and_log_softmax_backward = backward
+    per_rank = tokens * vocab / world_size
+    return plain / (tokens * vocab), measured[0] / per_rank
+
+
+def test_loss_parallel_holds_16_bytes_per_logit_where_f_cross_entropy_holds_12():
+    # the saved fp32 log-probabilities (4 bytes) and what each backward makes beside them: 8 and 12 (and a few
+    # vectors of one element per token: the target's mask, its indices)
+    plain, parallel = apart(_loss_backward_bytes_main, 64, 4096)  # a rank of one: one shard, the same function
+    assert round(plain, 1) == 8.0 and round(parallel, 1) == 12.0, (plain, parallel)
+    config = pl.Config(tp=2, logit_bytes=4 + round(plain))
+    assert pl.LOSS_PARALLEL_BYTES == 4 + round(parallel) and config.logit_bytes == 12
+    model = pl.Model(num_layers=2, dim=16, num_heads=2, ffn_dim=32, seq_len=8, vocab_size=10)
+    parallel_config = dataclasses.replace(config, loss_parallel=True)
+    assert pl.logits_bytes(model, parallel_config) == 16 / 12 * pl.logits_bytes(model, config)
+    assert pl.logits_bytes(model, dataclasses.replace(parallel_config, tp=1)) == 12 * 8 * 10  # no vocabulary shards
 
 
 def test_fsdp2_on_the_small_transformer_sends_the_predicted_bytes():

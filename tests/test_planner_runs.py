@@ -475,14 +475,17 @@ def test_torchtitans_reserved_memory_is_above_the_tensors_predicted(rows):
             assert 0.7 < row["memory_ratio"] < 1.1 and tensors <= run.memory_bytes, (row["name"], row["memory_ratio"])
 
 
-def test_torchtitans_loss_holds_12_bytes_per_logit(rows):
+def test_torchtitans_loss_holds_12_bytes_per_logit_and_16_under_tensor_parallel(rows):
     # F.cross_entropy's backward: log-probabilities, their gradient, the logits' gradient; at Korthikanti et al.'s
-    # 4 bytes (Megatron's fused cross entropy) the 8B and 70B rows came to 0.51-0.84 of the memory reserved
-    assert all(run.layout.logit_bytes == 12 for run in pr.RUNS if run.name.startswith("torchtitan"))
+    # 4 bytes (Megatron's fused cross entropy) the 8B and 70B rows came to 0.51-0.84 of the memory reserved. With
+    # tensor parallel torchtitan runs it under PyTorch's loss_parallel, 16 bytes (tests/test_planner.py measures
+    # both): the 70B 2D rows were at 0.74 and 0.79 with 12
+    assert all(run.layout.logit_bytes == 12 and run.layout.loss_parallel for run in pr.RUNS
+               if run.name.startswith("torchtitan"))
     model, config = pl.Model(num_layers=2, dim=16, num_heads=2, ffn_dim=32, seq_len=8, vocab_size=10), pl.Config()
     assert pl.logits_bytes(model, dataclasses.replace(config, logit_bytes=12)) == 3 * pl.logits_bytes(model, config)
-    assert {r["name"]: r["memory_ratio"] > 0.73 for r in rows if r["name"].startswith("torchtitan 70B 2D")} == {
-        "torchtitan 70B 2D": True, "torchtitan 70B 2D + AsyncTP": True}
+    assert {r["name"]: round(r["memory_ratio"], 2) for r in rows if r["name"].startswith("torchtitan 70B 2D")} == {
+        "torchtitan 70B 2D": 0.86, "torchtitan 70B 2D + AsyncTP": 0.91}
 
 
 def test_torchtitans_fsdp_under_a_pipeline_keeps_whole_fp32_gradients(rows):

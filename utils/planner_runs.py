@@ -98,6 +98,7 @@ class Layout:
     accumulate_fp32: bool = False  # DeepSpeed's BF16_Optimizer: gradients added into fp32 ones per micro-batch
     fused: bool = True  # element-wise work fused (Megatron's kernels, torch.compile); False: PyTorch eager
     logit_bytes: int = 4  # bytes per logit at the loss's peak: 4 fused (Megatron), 12 F.cross_entropy (torchtitan)
+    loss_parallel: bool = False  # with tensor parallel, PyTorch's loss_parallel (torchtitan): 16 bytes per logit
     zero_stages: tuple = (0, 1, 2, 3)  # the ZeRO stages the run's framework offers, where zero_stage is not stated
     schedule: str | None = None  # the pipeline schedule where not 1F1B or interleaved (virtual_stages): 'ZB-H1'
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's compute (DualPipe)
@@ -325,7 +326,7 @@ def runs_split(layout, num_layers, pp, v, zero_stage=0):
 
 SETTINGS = ("float8", "sequence_parallel", "tp_overlap", "prefetch", "distribute_saved_activations",
             "pp_scatter_gather", "pp_whole_grads", "pp_blocking", "gather_copies", "accumulate_fp32", "fused",
-            "ep_overlap", "logit_bytes", "keep_stage_outputs", "uncounted_activations")
+            "ep_overlap", "logit_bytes", "loss_parallel", "keep_stage_outputs", "uncounted_activations")
 
 
 def framework_settings(layout):
@@ -903,7 +904,10 @@ TORCHTITAN_REDUCE = ("FSDP2 reduces gradients in fp32, torchtitan's default (tra
 TORCHTITAN_LOSS = ("The loss is PyTorch's F.cross_entropy on fp32 logits (torchtitan/models/llama/model.py's "
                    "self.output(h).float(), train.py's loss_fn): in its backward the log-probabilities, their "
                    "gradient and the logits' gradient, 12 bytes per logit (Layout.logit_bytes), where Megatron's "
-                   "fused cross entropy keeps Korthikanti et al.'s 4.")
+                   "fused cross entropy keeps Korthikanti et al.'s 4. With tensor parallel, on the vocabulary-sharded "
+                   "logits under PyTorch's loss_parallel (torchtitan's ParallelDims: with tensor parallel unless "
+                   "training.disable_loss_parallel, False by default), whose backward holds 16 "
+                   "(Layout.loss_parallel; memory.LOSS_PARALLEL_BYTES).")
 
 
 def titan(size, seq_len=8192):
@@ -930,7 +934,8 @@ def _torchtitan():
               "'expandable_segments:True'), which map memory as tensors need it: the tensors' peak, rounded to "
               "pages, without the CUDA context or NCCL's buffers. The planner's tensors (its total without its "
               "fragmentation and runtime margins) are 0.96-0.98 of it on the compiled FSDP rows at selective "
-              "recomputation, 0.89-0.91 eager, and 0.68-0.90 on the full-recomputation rows (9-26 GB short): what "
+              "recomputation, 0.89-0.91 eager, and 0.71-0.90 on the full-recomputation rows (9-26 GB short; the 70B 2D "
+              "rows 0.79 and 0.84 with loss_parallel's 16 bytes per logit, 0.68 and 0.73 before): what "
               "torchtitan's full recomputation holds beyond one recomputed layer has no term yet, and the "
               "count without it (the search's alternatives) is not contradicted.",
               TORCHTITAN_REDUCE, TORCHTITAN_LOSS)
@@ -945,7 +950,7 @@ def _torchtitan():
     def add(table, label, size, gpus, layout, tps, gib, seq_len=8192, extra=(), disagreement=""):
         runs.append(Run(f"torchtitan {size} {label}", source.format(table) + f", row {label}",
                         titan(size, seq_len), "H100-96GB", gpus, 400,
-                        dataclasses.replace(layout, logit_bytes=12, framework="torchtitan 2024-12"),
+                        dataclasses.replace(layout, logit_bytes=12, loss_parallel=True, framework="torchtitan 2024-12"),
                         tps, unit="tokens_per_s_per_gpu",
                         memory_bytes=gib * GIB, assumptions=common + extra, disagreement=disagreement))
 
@@ -989,7 +994,7 @@ def _torchtitan():
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
-                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12,
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12, loss_parallel=True,
                                framework="torchtitan 2024-06",
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",

@@ -26,7 +26,7 @@ from utils.planner.describe import (A100_80GB, CP_MODES, GB, GPU, GPUS, H100_SXM
                                     SCHEDULES, ZERO_STAGES, Cluster, Config, Link, Model, check_config, cluster,
                                     rank_dense_layers, rank_layer_counts, rank_layer_kinds,
                                     stage_layer_counts)
-from utils.planner.memory import (BUCKET_ELEMENTS, FRAGMENTATION, RUNTIME_BYTES, activation_bytes, buffer_bytes,
+from utils.planner.memory import (BUCKET_ELEMENTS, FRAGMENTATION, LOSS_PARALLEL_BYTES, RUNTIME_BYTES, activation_bytes, buffer_bytes,
                                   embedding_dropout_bytes,
                                   layer_activation_bytes, logits_bytes, memory_per_device, micro_batches_in_flight,
                                   model_state_bytes, peak_memory, pieces_in_flight, rank_layers, stage_output_bytes,

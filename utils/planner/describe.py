@@ -436,6 +436,8 @@ class Config:
     fused: bool = True  # element-wise work in fused kernels (Megatron's, torch.compile); False: PyTorch eager
     logit_bytes: int = 4  # bytes per logit at the loss's peak (memory.logits_bytes): 4, Megatron's fused cross
     #                       entropy (Korthikanti et al.'s fp32 logits); 12, PyTorch's F.cross_entropy on fp32 logits
+    loss_parallel: bool = False  # with tp > 1, PyTorch's loss_parallel on the vocab-sharded logits (torchtitan's
+    #                              default), whose backward holds memory.LOSS_PARALLEL_BYTES per logit, not logit_bytes
     ep_overlap: bool = False  # the expert all-to-all hidden behind another micro-batch's computation (DeepSeek-V3's
     #                           DualPipe, section 3.2.1: a forward and a backward chunk overlapped)
     keep_stage_outputs: bool = False  # the pipeline schedule keeps each in-flight piece's output tensor until its

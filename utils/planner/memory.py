@@ -50,6 +50,12 @@ RUNTIME_BYTES = 2e9
 BUCKET_ELEMENTS = 40e6
 # DeepSeek-V3's cached activations (module docstring): FP8 (E4M3) 1 byte, its E5M6 12 bits
 FP8_BYTES, E5M6_BYTES = 1, 1.5
+# PyTorch's loss_parallel (torch/distributed/tensor/parallel/loss.py, _nll_loss_and_log_softmax_backward) computes
+# F.cross_entropy's backward on each rank's vocabulary shard in one function: a zeros_like of the log-probabilities
+# for the target's -1, exp of the log-probabilities, their sum, then its product with the incoming gradient; three
+# fp32 tensors of the logits' size made beside the saved log-probabilities at once (a test measures it), where
+# F.cross_entropy's two aten kernels make two: 16 bytes per logit, against 12.
+LOSS_PARALLEL_BYTES = 16
 
 
 def zero_sharded_bytes(num_params, model, data_ranks, zero_stage):
@@ -229,8 +235,10 @@ def logits_bytes(model, config):
     the fp32 softmax in place of the logits and writes their gradient over it. PyTorch's F.cross_entropy (log_softmax
     then nll_loss; torchtitan's, on the model's fp32 output) holds three such tensors in its backward: the
     log-probabilities log_softmax saved, nll_loss's dense gradient of them, and log_softmax's gradient of its input
-    (tools/autograd/derivatives.yaml): logit_bytes = 12."""
-    return config.logit_bytes * model.seq_len / config.cp * config.micro_batch_size * model.vocab_size / config.tp
+    (tools/autograd/derivatives.yaml): logit_bytes = 12. Under tensor parallel with Config.loss_parallel, 16
+    (LOSS_PARALLEL_BYTES)."""
+    per_logit = LOSS_PARALLEL_BYTES if config.loss_parallel and config.tp > 1 else config.logit_bytes
+    return per_logit * model.seq_len / config.cp * config.micro_batch_size * model.vocab_size / config.tp
 
 
 def micro_batches_in_flight(config, num_micro_batches, stage=0):
