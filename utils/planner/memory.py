@@ -335,21 +335,42 @@ def memory_per_device(model, config, num_micro_batches, stage=0):
     """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
     bytes, on one device of pipeline rank `stage` (the first by default); logits: what they add to the peak
     (logits_beyond_recompute)."""
-    states, buffers = _split_bytes(model, config, stage)
-    memory = dict(states)
-    memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
-    memory["logits"] = logits_beyond_recompute(model, config, stage)
-    memory["buffers"] = buffers
-    memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
-    memory["runtime"] = RUNTIME_BYTES
-    memory["total"] = sum(memory.values())
+    terms = _counted_bytes(model, config, num_micro_batches, stage)
+    memory = dict(zip(COUNTED, terms))
+    memory["fragmentation"], memory["runtime"], memory["total"] = _margins(terms)
     return memory
+
+
+COUNTED = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers")
+
+
+def _counted_bytes(model, config, num_micro_batches, stage):
+    """The COUNTED terms of memory_per_device, in its order: a tuple, which the search sums without a dict."""
+    states, buffers = _split_bytes(model, config, stage)
+    return (*states.values(), activation_bytes(model, config, num_micro_batches, stage),
+            logits_beyond_recompute(model, config, stage), buffers)
+
+
+def _margins(terms):
+    """(fragmentation, runtime, total): the allocator's share of the counted terms, the runtime's, and the sum of all,
+    added in memory_per_device's order."""
+    fragmentation = FRAGMENTATION * sum(terms)
+    return fragmentation, RUNTIME_BYTES, sum((*terms, fragmentation, RUNTIME_BYTES))
+
+
+def _peak_candidates(model, config):
+    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
+    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
+    return {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
 
 
 def peak_memory(model, config, num_micro_batches):
     """(stage, memory) of the pipeline rank that needs the most."""
-    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
-    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
-    candidates = {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
-    return max(((stage, memory_per_device(model, config, num_micro_batches, stage)) for stage in candidates),
-               key=lambda item: item[1]["total"])
+    return max(((stage, memory_per_device(model, config, num_micro_batches, stage))
+                for stage in _peak_candidates(model, config)), key=lambda item: item[1]["total"])
+
+
+def peak_total(model, config, num_micro_batches):
+    """(stage, total bytes) of peak_memory, without its dicts: all the search reads of it."""
+    return max(((stage, _margins(_counted_bytes(model, config, num_micro_batches, stage))[2])
+                for stage in _peak_candidates(model, config)), key=operator.itemgetter(1))
