@@ -605,7 +605,7 @@ def _uncached_plan(model, cluster, global_batch, monkeypatch, **choices):
     with step.py's caches bypassed (their functions called through __wrapped__) and memory.py's of a layer's
     activations; those that fit, fastest first."""
     from utils.planner import memory, step
-    for name in ("_layer_terms", "_optimizer_seconds", "_slowest_stage", "_flops_per_token"):
+    for name in ("_layer_terms", "_per_layer", "_optimizer_seconds", "_slowest_stage", "_flops_per_token"):
         monkeypatch.setattr(step, name, getattr(step, name).__wrapped__)
     monkeypatch.setattr(memory, "layer_activation_bytes", memory._layer_activation_bytes)
     monkeypatch.setattr(memory, "_split_bytes", lambda model, config, stage: (
@@ -669,8 +669,8 @@ def test_a_full_search_for_405b_on_16384_gpus_takes_under_2_s_of_one_core():
     times = []
     for _ in range(3):  # the fastest of three searches, each from empty caches: the least of the machine's load in it
         # (on this course's virtual machine the same search took 1.6 to 3.4 s of one core, idle, within minutes)
-        for cached in (compute._layer_times, step._layer_terms, step._optimizer_seconds, step._slowest_stage,
-                       step._flops_per_token):
+        for cached in (compute._layer_times, step._layer_terms, step._per_layer, step._optimizer_seconds,
+                       step._slowest_stage, step._flops_per_token):
             cached.cache_clear()
         memory._STATES.clear()
         memory._ACTIVATIONS.clear()

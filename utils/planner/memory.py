@@ -81,9 +81,23 @@ def stage_params(model, config, stage=0):
     return dense, experts / config.ep
 
 
-_STATES = {}  # (id(model), _SPLIT, stage): (model, states, buffers); the search asks again for every micro-batch, knob
+_STATES = {}  # id(model): (model, {(_SPLIT, stage): (states, buffers)}); the search asks again for every
+# micro-batch, knob and schedule
 _SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v",  # what model states depend on,
                              "prefetch", "gather_copies")  # and the buffers: all _split_bytes reads of a config
+
+
+def held_table(tables, key, *objects):
+    """The cache table in `tables` of the objects (a model; a model and a cluster) whose ids make `key`: it holds
+    them, so that their ids stay theirs, a few at a time. Its entries hold none of them: entries that did were
+    objects Python's garbage collector kept scanning (a 405B search's 30,000 made it scan the whole heap once or
+    twice more, 0.1 to 0.2 s of its 2 s)."""
+    held = tables.get(key)
+    if held is None:
+        if len(tables) >= 4:  # a search asks for one model (and a model per layer kind) on one cluster
+            tables.clear()
+        held = tables[key] = (*objects, {})
+    return held[-1]
 
 
 def model_state_bytes(model, config, stage=0):
@@ -94,15 +108,15 @@ def model_state_bytes(model, config, stage=0):
 
 def _split_bytes(model, config, stage):
     """(model states, buffer_bytes) of pipeline rank `stage`: what depends on the split alone, not on the
-    micro-batch, recomputation or schedule. Computed once per model, split and stage (the entry holds the model, so
-    that its id stays its own); _SPLIT lists every config field they read (a test changes every other one)."""
-    key = (id(model), _SPLIT(config), stage)
-    entry = _STATES.get(key)
+    micro-batch, recomputation or schedule. Computed once per model (held_table), split and stage; _SPLIT lists
+    every config field they read (a test changes every other one)."""
+    table, key = held_table(_STATES, id(model), model), (_SPLIT(config), stage)
+    entry = table.get(key)
     if entry is None:
-        if len(_STATES) >= 8192:
-            _STATES.clear()
-        entry = _STATES[key] = (model, _model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
-    return entry[1:]
+        if len(table) >= 8192:
+            table.clear()
+        entry = table[key] = (_model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
+    return entry
 
 
 def _model_state_bytes(model, config, stage):
@@ -162,17 +176,18 @@ def layer_activation_bytes(model, config, recompute=None):
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
     s b h (10 + 24 / t + 5 a s / h t) (Table 2).
-    Computed once per model and the config's fields it reads (_ACTIVATION_FIELDS; the entry holds the model, so
-    that its id stays its own): the search asks again for every pipeline rank, data degree and ZeRO stage."""
-    key = (id(model), _ACTIVATION_FIELDS(config), recompute)
-    if key not in _ACTIVATIONS:
-        if len(_ACTIVATIONS) >= 8192:
-            _ACTIVATIONS.clear()
-        _ACTIVATIONS[key] = (model, _layer_activation_bytes(model, config, recompute))
-    return _ACTIVATIONS[key][1]
+    Computed once per model (held_table) and the config's fields it reads (_ACTIVATION_FIELDS): the search asks
+    again for every pipeline rank, data degree and ZeRO stage."""
+    table, key = held_table(_ACTIVATIONS, id(model), model), (_ACTIVATION_FIELDS(config), recompute)
+    value = table.get(key)
+    if value is None:
+        if len(table) >= 8192:
+            table.clear()
+        value = table[key] = _layer_activation_bytes(model, config, recompute)
+    return value
 
 
-_ACTIVATIONS = {}  # (id(model), _ACTIVATION_FIELDS, recompute): (model, bytes)
+_ACTIVATIONS = {}  # id(model): (model, {(_ACTIVATION_FIELDS, recompute): bytes})
 _ACTIVATION_FIELDS = operator.attrgetter("tp", "cp", "micro_batch_size", "recompute", "sequence_parallel",
                                          "distribute_saved_activations")  # all that layer_activation_bytes reads
 
