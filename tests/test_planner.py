@@ -628,6 +628,12 @@ def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, d
     assert searched and searched == plain
     assert every == [pl.estimate(model, cluster, batch, c) for c in pl.configs(model, cluster, batch, **choices)]
     assert all(r[k] == v for r in searched for k, v in (settings or {}).items())
+    # the search's peak (memory.peak_total, no dicts) is peak_memory's stage and total, to the last bit
+    from utils.planner import memory
+    for config in pl.configs(model, cluster, batch, **choices):
+        m = pl.check_config(model, cluster, batch, config)
+        stage, peak = pl.peak_memory(model, config, m)
+        assert memory.peak_total(model, config, m) == (stage, peak["total"])
 
 
 def test_the_split_bytes_cache_keys_on_every_field_they_read():
