@@ -297,7 +297,7 @@ def _slowest_stage(model, cluster, config):
     per_layer, stages = {}, []
     for stage in sorted(candidates):
         (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
-        if id(kind) not in per_layer:  # (a Model's hash costs more than its terms' lookup)
+        if id(kind) not in per_layer:  # one lookup per layer kind, not per stage
             per_layer[id(kind)] = _per_layer(kind, cluster, c)
         part = _layers_part(per_layer[id(kind)], c, layers, stage)
         for kind, layers in others:  # the routed layers after the dense ones
