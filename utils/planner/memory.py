@@ -87,9 +87,23 @@ def stage_params(model, config, stage=0):
     return dense, experts / config.ep
 
 
-_STATES = {}  # (id(model), _SPLIT, stage): (model, states, buffers); the search asks again for every micro-batch, knob
+_STATES = {}  # id(model): (model, {(_SPLIT, stage): (states, buffers)}); the search asks again for every
+# micro-batch, knob and schedule
 _SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v",  # what model states depend on,
                              "prefetch", "gather_copies")  # and the buffers: all _split_bytes reads of a config
+
+
+def held_table(tables, key, *objects):
+    """The cache table in `tables` of the objects (a model; a model and a cluster) whose ids make `key`: it holds
+    them, so that their ids stay theirs, a few at a time. Its entries hold none of them: entries that did were
+    objects Python's garbage collector kept scanning (a 405B search's 30,000 made it scan the whole heap once or
+    twice more, 0.1 to 0.2 s of its 2 s)."""
+    held = tables.get(key)
+    if held is None:
+        if len(tables) >= 4:  # a search asks for one model (and a model per layer kind) on one cluster
+            tables.clear()
+        held = tables[key] = (*objects, {})
+    return held[-1]
 
 
 def model_state_bytes(model, config, stage=0):
@@ -100,15 +114,15 @@ def model_state_bytes(model, config, stage=0):
 
 def _split_bytes(model, config, stage):
     """(model states, buffer_bytes) of pipeline rank `stage`: what depends on the split alone, not on the
-    micro-batch, recomputation or schedule. Computed once per model, split and stage (the entry holds the model, so
-    that its id stays its own); _SPLIT lists every config field they read (a test changes every other one)."""
-    key = (id(model), _SPLIT(config), stage)
-    entry = _STATES.get(key)
+    micro-batch, recomputation or schedule. Computed once per model (held_table), split and stage; _SPLIT lists
+    every config field they read (a test changes every other one)."""
+    table, key = held_table(_STATES, id(model), model), (_SPLIT(config), stage)
+    entry = table.get(key)
     if entry is None:
-        if len(_STATES) >= 8192:
-            _STATES.clear()
-        entry = _STATES[key] = (model, _model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
-    return entry[1:]
+        if len(table) >= 8192:
+            table.clear()
+        entry = table[key] = (_model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
+    return entry
 
 
 def _model_state_bytes(model, config, stage):
@@ -168,17 +182,18 @@ def layer_activation_bytes(model, config, recompute=None):
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
     s b h (10 + 24 / t + 5 a s / h t) (Table 2).
-    Computed once per model and the config's fields it reads (_ACTIVATION_FIELDS; the entry holds the model, so
-    that its id stays its own): the search asks again for every pipeline rank, data degree and ZeRO stage."""
-    key = (id(model), _ACTIVATION_FIELDS(config), recompute)
-    if key not in _ACTIVATIONS:
-        if len(_ACTIVATIONS) >= 8192:
-            _ACTIVATIONS.clear()
-        _ACTIVATIONS[key] = (model, _layer_activation_bytes(model, config, recompute))
-    return _ACTIVATIONS[key][1]
+    Computed once per model (held_table) and the config's fields it reads (_ACTIVATION_FIELDS): the search asks
+    again for every pipeline rank, data degree and ZeRO stage."""
+    table, key = held_table(_ACTIVATIONS, id(model), model), (_ACTIVATION_FIELDS(config), recompute)
+    value = table.get(key)
+    if value is None:
+        if len(table) >= 8192:
+            table.clear()
+        value = table[key] = _layer_activation_bytes(model, config, recompute)
+    return value
 
 
-_ACTIVATIONS = {}  # (id(model), _ACTIVATION_FIELDS, recompute): (model, bytes)
+_ACTIVATIONS = {}  # id(model): (model, {(_ACTIVATION_FIELDS, recompute): bytes})
 _ACTIVATION_FIELDS = operator.attrgetter("tp", "cp", "micro_batch_size", "recompute", "sequence_parallel",
                                          "distribute_saved_activations")  # all that layer_activation_bytes reads
 
@@ -343,21 +358,42 @@ def memory_per_device(model, config, num_micro_batches, stage=0):
     """{parameters, gradients, optimizer states, activations, logits, buffers, fragmentation, runtime, total} in
     bytes, on one device of pipeline rank `stage` (the first by default); logits: what they add to the peak
     (logits_beyond_recompute)."""
-    states, buffers = _split_bytes(model, config, stage)
-    memory = dict(states)
-    memory["activations"] = activation_bytes(model, config, num_micro_batches, stage)
-    memory["logits"] = logits_beyond_recompute(model, config, stage)
-    memory["buffers"] = buffers
-    memory["fragmentation"] = FRAGMENTATION * sum(memory.values())
-    memory["runtime"] = RUNTIME_BYTES
-    memory["total"] = sum(memory.values())
+    terms = _counted_bytes(model, config, num_micro_batches, stage)
+    memory = dict(zip(COUNTED, terms))
+    memory["fragmentation"], memory["runtime"], memory["total"] = _margins(terms)
     return memory
+
+
+COUNTED = ("parameters", "gradients", "optimizer states", "activations", "logits", "buffers")
+
+
+def _counted_bytes(model, config, num_micro_batches, stage):
+    """The COUNTED terms of memory_per_device, in its order: a tuple, which the search sums without a dict."""
+    states, buffers = _split_bytes(model, config, stage)
+    return (*states.values(), activation_bytes(model, config, num_micro_batches, stage),
+            logits_beyond_recompute(model, config, stage), buffers)
+
+
+def _margins(terms):
+    """(fragmentation, runtime, total): the allocator's share of the counted terms, the runtime's, and the sum of all,
+    added in memory_per_device's order."""
+    fragmentation = FRAGMENTATION * sum(terms)
+    return fragmentation, RUNTIME_BYTES, sum((*terms, fragmentation, RUNTIME_BYTES))
+
+
+def _peak_candidates(model, config):
+    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
+    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
+    return {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
 
 
 def peak_memory(model, config, num_micro_batches):
     """(stage, memory) of the pipeline rank that needs the most."""
-    counts = rank_layer_counts(model.num_layers, config.pp, config.v)
-    # the first rank has the most in flight and the embedding; a middle one can need more only with more layers
-    candidates = {0, config.pp - 1} | ({1} if config.pp > 2 and counts[1] > counts[0] else set())
-    return max(((stage, memory_per_device(model, config, num_micro_batches, stage)) for stage in candidates),
-               key=lambda item: item[1]["total"])
+    return max(((stage, memory_per_device(model, config, num_micro_batches, stage))
+                for stage in _peak_candidates(model, config)), key=lambda item: item[1]["total"])
+
+
+def peak_total(model, config, num_micro_batches):
+    """(stage, total bytes) of peak_memory, without its dicts: all the search reads of it."""
+    return max(((stage, _margins(_counted_bytes(model, config, num_micro_batches, stage))[2])
+                for stage in _peak_candidates(model, config)), key=operator.itemgetter(1))

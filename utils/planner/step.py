@@ -51,7 +51,7 @@ from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import (kv_width, layer_times, memory_bound_seconds, output_layer_seconds,
                                    tp_pair_products)
 from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
-from utils.planner.memory import model_state_bytes, stage_params
+from utils.planner.memory import held_table, model_state_bytes, stage_params
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
@@ -115,25 +115,28 @@ def _memo(*fields):
     """Cache a function of (model, cluster, config) on the config's `fields` alone: the search asks for the same
     per-layer terms for every recomputation, schedule and interleaving of a split (tests/test_planner.py checks
     the search against the same functions uncached, through __wrapped__). The model and the cluster are keyed by
-    identity (the entry holds them, so their ids stay theirs): hashing a Model's fields costs more than a lookup."""
+    identity, a table for each pair (memory.held_table): hashing a Model's fields costs more than a lookup."""
     def wrap(function):
-        cache, values = {}, operator.attrgetter(*fields) if fields else (lambda config: ())
+        tables, values = {}, operator.attrgetter(*fields) if fields else (lambda config: ())
 
         @functools.wraps(function)
         def cached(model, cluster, config):
-            key = (id(model), id(cluster), values(config))
-            entry = cache.get(key)
-            if entry is None:
-                if len(cache) >= 8192:
-                    cache.clear()
-                entry = cache[key] = (model, cluster, function(model, cluster, config))
-            return entry[2]
-        cached.cache_clear = cache.clear
+            table, key = held_table(tables, (id(model), id(cluster)), model, cluster), values(config)
+            value = table.get(key)
+            if value is None:
+                if len(table) >= 8192:
+                    table.clear()
+                value = table[key] = function(model, cluster, config)
+            return value
+        cached.cache_clear = tables.clear
         return cached
     return wrap
 
 
-@_memo("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "zero_stage", "cp_mode", "tp_overlap", *CHOICES)
+_LAYER_FIELDS = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "zero_stage", "cp_mode", "tp_overlap", *CHOICES)
+
+
+@_memo(*_LAYER_FIELDS)
 def _layer_terms(model, cluster, config):
     """One layer and micro-batch, whatever the recomputation and schedule: its times, each group's exposed
     communication forward and backward, the data axis's gather and reduce of its weights, the pipeline's hand-off,
@@ -294,7 +297,7 @@ def _slowest_stage(model, cluster, config):
     per_layer, stages = {}, []
     for stage in sorted(candidates):
         (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
-        if id(kind) not in per_layer:  # (a Model's hash costs more than its terms' lookup)
+        if id(kind) not in per_layer:  # one lookup per layer kind, not per stage
             per_layer[id(kind)] = _per_layer(kind, cluster, c)
         part = _layers_part(per_layer[id(kind)], c, layers, stage)
         for kind, layers in others:  # the routed layers after the dense ones
@@ -308,9 +311,11 @@ def _slowest_stage(model, cluster, config):
     return part, part.pop("per_step")
 
 
+@_memo(*_LAYER_FIELDS, "recompute")
 def _per_layer(model, cluster, config):
     """One layer's terms (_layer_terms), what recomputation adds to its backward, its forward and backward with the
-    communication they expose, and what one layer's transfers leave exposed beside them (_exposed_per_layer)."""
+    communication they expose, and what one layer's transfers leave exposed beside them (_exposed_per_layer).
+    Cached: every interleaving v of a split shares them."""
     c, terms = config, _layer_terms(model, cluster, config)
     lt, tp_f, tp_b, cp_f, cp_b, ep_f, ep_b = terms[:7]
     merge_f, merge_b = terms[13:15]
