@@ -1,8 +1,10 @@
 """The published runs (utils/planner_runs.py): every record is well formed, its conversion reproduces the numbers
 its source prints next to it, and the planner's agreement with the table, against issue 41's targets.
 
-The targets are constants at the top; those the planner does not meet yet are xfail (not strict), with what misses
-them stated above UNTIL_ISSUE_41."""
+The targets are constants at the top. The layout target is asserted over the runs whose layout was a choice (26 of
+the 73 come from benchmark tables and baselines, whose layout was the experiment's condition: Reason.benchmark) and
+among what each run's framework or table offered; over all 73 the share reached is a regression floor
+(LAYOUT_TODAY)."""
 import dataclasses
 import math
 
@@ -107,9 +109,13 @@ EXPRESSED_SHARE = 1.0  # every run is expressible
 # was offered), 2D + AsyncTP 1.08 -> 1.04: 52 of 73 (71%, 51 before) within 10%, 71 of 73 (97%, 70) among what was
 # offered; fits and OOM unchanged. Left as an upper bound: the weights' casts under FSDP's float8 all-gather (on the
 # shard, then a column-major copy of the gathered weight), under 0.3 ms of a 70B layer's 190.
-LAYOUT_TODAY, LAYOUT_OFFERED_TODAY = 0.71, 0.97  # the shares reached: a regression below them fails
-UNTIL_ISSUE_41 = pytest.mark.xfail(reason="issue 41 is open: the cost model does not meet this target yet",
-                                   strict=False)
+# Loss parallel (memory.LOSS_PARALLEL_BYTES, measured in tests/test_planner.py): torchtitan's loss under tensor
+# parallel holds 16 bytes per logit, not 12: the 70B 2D rows' memory 0.74, 0.79 -> 0.86, 0.91; nothing else moved.
+# Over all 73 searched runs 52 (71%) are within 10%: 17 of the 21 beyond are rows of benchmark tables (torchtitan's,
+# each measuring one technique at a layout it fixed) or Narayanan et al.'s ZeRO-3 baselines, each 1.00 among what its
+# table varied; counted as misses they cap the share at 56 of 73 (77%) whatever the model. Over the 47 runs whose
+# layout was a choice, 43 (91%) are within 10%; beyond: MT-NLG on 2,240 GPUs, Llama 3 at 8K twice, OPT.
+LAYOUT_TODAY, LAYOUT_OFFERED_TODAY, LAYOUT_CHOSEN_TODAY = 0.71, 0.97, 0.91  # a regression below them fails
 
 RUNS = {run.name: run for run in pr.RUNS}
 
@@ -545,9 +551,10 @@ def searched():
 
 
 @pytest.mark.slow
-@UNTIL_ISSUE_41
 def test_published_layouts_are_near_the_planners_best(searched):
-    assert pr.agreement(searched, layout_within=LAYOUT_WITHIN)["layout"] >= LAYOUT_SHARE, \
+    # where the layout was a choice, and among what each run's framework or table offered
+    shares = pr.agreement(searched, layout_within=LAYOUT_WITHIN)
+    assert shares["layout_chosen"] >= LAYOUT_SHARE and shares["layout_offered"] >= LAYOUT_SHARE, \
         pr.format_layout_ranks(searched)
 
 
@@ -560,8 +567,21 @@ def test_deepseek_v3s_split_is_near_the_planners_best_at_its_own_recomputation(s
 @pytest.mark.slow
 def test_published_layouts_are_near_the_planners_best_as_far_as_today(searched):
     shares = pr.agreement(searched, layout_within=LAYOUT_WITHIN)
-    assert shares["layout"] >= LAYOUT_TODAY and shares["layout_offered"] >= LAYOUT_OFFERED_TODAY, \
+    assert (shares["layout"] >= LAYOUT_TODAY and shares["layout_offered"] >= LAYOUT_OFFERED_TODAY
+            and shares["layout_chosen"] >= LAYOUT_CHOSEN_TODAY), \
         pr.format_layout_ranks(searched)
     for row in searched:  # every published split the planner ranks beyond 10% says what its authors knew
         if row.get("searched") and (row["gap"] is None or row["gap"] > 1 + LAYOUT_WITHIN):
             assert row["name"] in pr.LAYOUT_REASONS, row["name"]
+
+
+def test_only_benchmark_tables_and_baselines_are_left_out_of_the_chosen_layouts():
+    # Reason.benchmark marks the families whose layout was the experiment's condition; their reasons say so
+    left_out = {name for name, reason in pr.LAYOUT_REASONS.items() if reason.benchmark}
+    assert all(pr.LAYOUT_REASONS[name].text.startswith(("a benchmark", "a baseline")) for name in left_out)
+    assert {name.split()[0] for name in left_out} == {"torchtitan", "megatron21"}
+    assert all("ZeRO-3" in name for name in left_out if name.startswith("megatron21"))
+    assert all(not pr.layout_was_chosen(name) for name in left_out) and pr.layout_was_chosen("opt 175B")
+    rows = [{"name": "torchtitan 405B 1F1B", "searched": True, "gap": 1.25, "fits": True, "ratio": None, "oom": False},
+            {"name": "opt 175B", "searched": True, "gap": 1.05, "fits": True, "ratio": None, "oom": False}]
+    assert pr.agreement(rows)["layout_chosen"] == 1.0 and pr.agreement(rows)["layout"] == 0.5

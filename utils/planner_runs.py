@@ -517,11 +517,18 @@ def _offered_gap(row):
     return row["offered_gap"] if row.get("offered_gap") is not None else row["gap"]
 
 
+def layout_was_chosen(name):
+    """Whether the run's layout was a choice made to train fast, not a benchmark's condition (Reason.benchmark)."""
+    reason = _family_reason(name)
+    return reason is None or not reason.benchmark
+
+
 def agreement(rows, throughput_within=0.15, layout_within=0.10):
     """The shares the targets of issue 41 are stated in, over the rows each applies to (None where none does):
     throughput within 15%; published split within 10% of the planner's best (and, layout_offered, of its best among
-    what the run's framework offered, where LAYOUT_REASONS says); trained layouts that fit; reported
-    out-of-memory layouts predicted out of memory."""
+    what the run's framework offered, where LAYOUT_REASONS says; layout_chosen, over the runs whose layout was a
+    choice, not a benchmark's condition: Reason.benchmark); trained layouts that fit; reported out-of-memory layouts
+    predicted out of memory."""
     def share(flags):
         flags = list(flags)
         return sum(flags) / len(flags) if flags else None
@@ -530,6 +537,8 @@ def agreement(rows, throughput_within=0.15, layout_within=0.10):
             "layout": share(r["gap"] is not None and r["gap"] <= 1 + layout_within for r in rows if r.get("searched")),
             "layout_offered": share(_offered_gap(r) is not None and _offered_gap(r) <= 1 + layout_within
                                     for r in rows if r.get("searched")),
+            "layout_chosen": share(r["gap"] is not None and r["gap"] <= 1 + layout_within
+                                   for r in rows if r.get("searched") and layout_was_chosen(r["name"])),
             "trained_fit": share(r["fits"] for r in compared if not r["oom"]),
             "oom_predicted": share(not r["fits"] for r in compared if r["oom"]),
             "expressed": share(r["fits"] is not None for r in rows)}
@@ -994,8 +1003,8 @@ def _torchtitan():
     for size, recompute, wps in (("8B", "selective", 2973), ("70B", "full", 331)):
         runs.append(Run(f"torchtitan {size} A100 FSDP 64", older.format(f"{size} {recompute}"), titan(size),
                         "A100-80GB", 64, 200,
-                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12, loss_parallel=True,
-                               framework="torchtitan 2024-06",
+                        Layout(dp=64, global_batch=64, micro_batch_size=1, zero_stage=3, logit_bytes=12,
+                               loss_parallel=True, framework="torchtitan 2024-06",
                                recompute="selective_op" if recompute == "selective" else recompute),
                         wps, unit="tokens_per_s_per_gpu",
                         assumptions=("Sequence 8192 (its train_configs); the A100 cluster's network is not "
@@ -1155,6 +1164,8 @@ class Reason:
     text: str  # one short line: what the run's authors knew or had that the planner does not
     source: str
     offered: dict = dataclasses.field(default_factory=dict)  # {plan column: allowed values}
+    benchmark: bool = False  # the layout was the experiment's condition (a table measuring one technique, a
+    #                          baseline), not a choice made to train fast: agreement's layout_chosen leaves it out
 
 
 MEGATRON_2021 = {"cp": {1}}  # its ZeRO stages, recomputation and schedules: in the search itself (framework_offers)
@@ -1163,7 +1174,7 @@ LLAMA3_SOURCE = "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783
 _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reason of every run it names
     r"megatron21 ZeRO-3 ": Reason(
         "a baseline, not a choice: the paper ran ZeRO-3 without model parallelism to compare it with PTD-P",
-        f"{NARAYANAN}, section 5.2 and Table 2", {"tp": {1}, "pp": {1}, "cp": {1}}),
+        f"{NARAYANAN}, section 5.2 and Table 2", {"tp": {1}, "pp": {1}, "cp": {1}}, benchmark=True),
     r"megatron21 (145\.6B|PTD-P 174\.6B)": Reason(
         "t 8 x p 16 without recomputation (16 micro-batches in flight) ran out of memory in Figure 17",
         f"{FIGURE_17}; counted without Layout.uncounted_activations, 72 GB (tests/test_planner_runs.py)",
@@ -1187,10 +1198,11 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
         LLAMA3_SOURCE, {"cp": {1}}),
     r"torchtitan 8B FSDP \d+( \+|$)": Reason(
         "a benchmark of FSDP alone (Tables 1 and 3: eager, torch.compile, Float8), at selective recomputation",
-        TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}),
+        TORCHTITAN.format(1), {"tp": {1}, "pp": {1}, "cp": {1}}, benchmark=True),
     r"torchtitan \d+B A100": Reason(
         "a benchmark of FSDP alone on 64 A100s ('infra metrics achieved by FSDP2 (1D parallelism)'; 2D as loss only)",
-        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)", {"tp": {1}, "pp": {1}, "cp": {1}}),
+        "pytorch/torchtitan, docs/performance.md at 041336434916 (2024-06)", {"tp": {1}, "pp": {1}, "cp": {1}},
+        benchmark=True),
     # The CP rows' gaps are recomputation, not context parallel's price: at each row's own full recomputation the
     # published split is the planner's best (1.00; 405B at Table 6's 1F1B and 8 micro-batches too: DP over CP at equal
     # work; 1.08-1.09 without them, CP giving more micro-batches of the global batch, a smaller bubble); the best
@@ -1200,17 +1212,17 @@ _FAMILY_REASONS = {  # a pattern of run names (the first that matches): the reas
     # attention's causal kernel does at CP 1, and the planner times both as the full square (compute.py).
     r"torchtitan 8B FSDP \d+ CP ": Reason(
         "a benchmark of FSDP x CP on 8 GPUs as the sequence grows, all at full recomputation (its Table 2's title)",
-        TORCHTITAN.format(2), {"tp": {1}, "pp": {1}, "recompute": {"full"}}),
+        TORCHTITAN.format(2), {"tp": {1}, "pp": {1}, "recompute": {"full"}}, benchmark=True),
     r"torchtitan 70B 2D": Reason(
         "a benchmark of 2D (FSDP x TP 8) with Float8 and torch.compile, its TP exposed without AsyncTP",
-        TORCHTITAN.format(4), {"pp": {1}, "cp": {1}}),
+        TORCHTITAN.format(4), {"pp": {1}, "cp": {1}}, benchmark=True),
     r"torchtitan 405B FSDP \d+ CP ": Reason(
         "a benchmark of CP as the sequence grows at TP 8 x PP 8: 1F1B, 8 micro-batches, full recomputation",
         TORCHTITAN.format(6),
-        {"tp": {8}, "pp": {8}, "recompute": {"full"}, "schedule": {"1F1B"}, "micro_batches": {8}}),
+        {"tp": {8}, "pp": {8}, "recompute": {"full"}, "schedule": {"1F1B"}, "micro_batches": {8}}, benchmark=True),
     r"torchtitan 405B (1F1B|Interleaved)": Reason(
         "a benchmark of pipeline schedules at one 3D layout (FSDP 8 x TP 8 x PP 8), Float8, full recomputation",
-        TORCHTITAN.format(5), {"dp": {8}, "tp": {8}, "pp": {8}, "cp": {1}}),
+        TORCHTITAN.format(5), {"dp": {8}, "tp": {8}, "pp": {8}, "cp": {1}}, benchmark=True),
     r"opt 175B": Reason(
         "metaseq ran FSDP beside Megatron's tensor parallel, with no pipeline and no context parallel",
         "facebookresearch/metaseq at f7ffa5fd61, metaseq/launcher/opt_baselines.py", {"pp": {1}, "cp": {1}}),
