@@ -636,6 +636,21 @@ def test_the_cached_and_pruned_search_returns_the_rows_of_the_plain_one(model, d
         assert memory.peak_total(model, config, m) == (stage, peak["total"])
 
 
+def test_the_peak_is_the_rank_that_needs_the_most_of_all_of_them():
+    # peak_memory asks only a few ranks (the first, the last, the first of those holding alike layers): it equals the
+    # most of every rank, with uneven stages (Megatron-LM's 105 layers on 56: 1, 1, 1, 2, ...; the fourth rank the
+    # peak, 53 micro-batches of 2 layers in flight), Llama 3's 126 on 16 x 8 pieces, DeepSeek-V3's dense first layers
+    gpt_105 = pl.Model(105, 20480, 128, 81920, 2048, 51200, tied=True)
+    for model, config, m in [(gpt_105, pl.Config(dp=5, tp=8, pp=56, sequence_parallel=False), 384),
+                             (dataclasses.replace(LLAMA2_70B, num_layers=126), pl.Config(pp=16, v=8, tp=8), 32),
+                             (DEEPSEEK_V3, pl.Config(pp=16, ep=8, dp=8), 32),
+                             (DEEPSEEK_V3, pl.Config(pp=8, v=2, ep=8, dp=8, recompute="full"), 16)]:
+        every = [(stage, pl.memory_per_device(model, config, m, stage)) for stage in range(config.pp)]
+        stage, peak = pl.peak_memory(model, config, m)
+        assert peak == max(every, key=lambda item: item[1]["total"])[1], (model.num_layers, config)
+    assert pl.peak_memory(gpt_105, pl.Config(dp=5, tp=8, pp=56, sequence_parallel=False), 384)[0] == 3
+
+
 def test_the_split_bytes_cache_keys_on_every_field_they_read():
     # memory._split_bytes caches the model states and buffers on memory._SPLIT's fields: changing any other field
     # of a config changes neither (at every ZeRO stage, with experts, interleaved, DeepSpeed 0.3's gathers)
