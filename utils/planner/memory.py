@@ -94,17 +94,23 @@ _SPLIT = operator.attrgetter("dp", "tp", "pp", "cp", "ep", "zero_stage", "v",  #
                              "prefetch", "gather_copies")  # and the buffers: all _split_bytes reads of a config
 
 
-def held_table(tables, key, *objects):
-    """The cache table in `tables` of the objects (a model; a model and a cluster) whose ids make `key`: it holds
-    them, so that their ids stay theirs, a few at a time. Its entries hold none of them: entries that did were
-    objects Python's garbage collector kept scanning (a 405B search's 30,000 made it scan the whole heap once or
-    twice more, 0.1 to 0.2 s of its 2 s)."""
-    held = tables.get(key)
+def held_value(tables, owners_key, owners, key, compute):
+    """compute(), cached under `key` in the table of its owners (a model; a model and a cluster) whose ids make
+    owners_key. The table holds the owners, so that their ids stay theirs, a few tables at a time; its entries hold
+    none of them: entries that did were objects Python's garbage collector kept scanning (a 405B search's 30,000
+    made it scan the whole heap once or twice more, 0.1 to 0.2 s of its 2 s). A table is emptied past 8192 entries."""
+    held = tables.get(owners_key)
     if held is None:
         if len(tables) >= 4:  # a search asks for one model (and a model per layer kind) on one cluster
             tables.clear()
-        held = tables[key] = (*objects, {})
-    return held[-1]
+        held = tables[owners_key] = (*owners, {})
+    table = held[-1]
+    value = table.get(key)
+    if value is None:
+        if len(table) >= 8192:
+            table.clear()
+        value = table[key] = compute()
+    return value
 
 
 def model_state_bytes(model, config, stage=0):
@@ -115,15 +121,10 @@ def model_state_bytes(model, config, stage=0):
 
 def _split_bytes(model, config, stage):
     """(model states, buffer_bytes) of pipeline rank `stage`: what depends on the split alone, not on the
-    micro-batch, recomputation or schedule. Computed once per model (held_table), split and stage; _SPLIT lists
+    micro-batch, recomputation or schedule. Computed once per model (held_value), split and stage; _SPLIT lists
     every config field they read (a test changes every other one)."""
-    table, key = held_table(_STATES, id(model), model), (_SPLIT(config), stage)
-    entry = table.get(key)
-    if entry is None:
-        if len(table) >= 8192:
-            table.clear()
-        entry = table[key] = (_model_state_bytes(model, config, stage), buffer_bytes(model, config, stage))
-    return entry
+    return held_value(_STATES, id(model), (model,), (_SPLIT(config), stage),
+                      lambda: (_model_state_bytes(model, config, stage), buffer_bytes(model, config, stage)))
 
 
 def _model_state_bytes(model, config, stage):
@@ -183,15 +184,10 @@ def layer_activation_bytes(model, config, recompute=None):
     With sequence parallel all of it is split over t; without (Megatron-LM of 2021), the norms' inputs, the inputs of
     QKV and of the MLP and the dropout masks are whole on every rank: Korthikanti et al.'s 10 s b h of their
     s b h (10 + 24 / t + 5 a s / h t) (Table 2).
-    Computed once per model (held_table) and the config's fields it reads (_ACTIVATION_FIELDS): the search asks
+    Computed once per model (held_value) and the config's fields it reads (_ACTIVATION_FIELDS): the search asks
     again for every pipeline rank, data degree and ZeRO stage."""
-    table, key = held_table(_ACTIVATIONS, id(model), model), (_ACTIVATION_FIELDS(config), recompute)
-    value = table.get(key)
-    if value is None:
-        if len(table) >= 8192:
-            table.clear()
-        value = table[key] = _layer_activation_bytes(model, config, recompute)
-    return value
+    return held_value(_ACTIVATIONS, id(model), (model,), (_ACTIVATION_FIELDS(config), recompute),
+                      lambda: _layer_activation_bytes(model, config, recompute))
 
 
 _ACTIVATIONS = {}  # id(model): (model, {(_ACTIVATION_FIELDS, recompute): bytes})

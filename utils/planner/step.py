@@ -51,7 +51,7 @@ from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import (kv_width, layer_times, memory_bound_seconds, output_layer_seconds,
                                    tp_pair_products)
 from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
-from utils.planner.memory import held_table, model_state_bytes, stage_params
+from utils.planner.memory import held_value, model_state_bytes, stage_params
 
 
 # what a run's framework did (describe.Config): fixed for a search, read by the layer's times and transfers
@@ -115,19 +115,14 @@ def _memo(*fields):
     """Cache a function of (model, cluster, config) on the config's `fields` alone: the search asks for the same
     per-layer terms for every recomputation, schedule and interleaving of a split (tests/test_planner.py checks
     the search against the same functions uncached, through __wrapped__). The model and the cluster are keyed by
-    identity, a table for each pair (memory.held_table): hashing a Model's fields costs more than a lookup."""
+    identity, a table for each pair (memory.held_value): hashing a Model's fields costs more than a lookup."""
     def wrap(function):
         tables, values = {}, operator.attrgetter(*fields) if fields else (lambda config: ())
 
         @functools.wraps(function)
         def cached(model, cluster, config):
-            table, key = held_table(tables, (id(model), id(cluster)), model, cluster), values(config)
-            value = table.get(key)
-            if value is None:
-                if len(table) >= 8192:
-                    table.clear()
-                value = table[key] = function(model, cluster, config)
-            return value
+            return held_value(tables, (id(model), id(cluster)), (model, cluster), values(config),
+                              lambda: function(model, cluster, config))
         cached.cache_clear = tables.clear
         return cached
     return wrap
