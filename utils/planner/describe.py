@@ -486,6 +486,21 @@ def rank_dense_layers(num_layers, first_k_dense, pp, v=1):
     return tuple(sum(dense[rank::pp]) for rank in range(pp))
 
 
+@functools.lru_cache(maxsize=1024)
+def ranks_alike(num_layers, first_k_dense, pp, v=1):
+    """The pipeline ranks that stand for all: the first and the last (the embedding; the head and the logits), and,
+    of the ranks holding alike layers (as many, and as many of DeepSeek-V3's dense first ones), the first. Any other
+    rank holds what one of these holds, with no more in flight and the same time per micro-batch: the peak memory
+    and the slowest stage are among them. With uneven stages a later rank can hold more than the first: 105 layers
+    on 56 stages are 1, 1, 1, 2, ... and the fourth rank keeps 53 micro-batches of 2 layers, the first 56 of 1."""
+    counts = rank_layer_counts(num_layers, pp, v)
+    dense = rank_dense_layers(num_layers, first_k_dense, pp, v) if first_k_dense else (0,) * pp
+    firsts = {}
+    for stage, alike in enumerate(zip(counts, dense)):
+        firsts.setdefault(alike, stage)
+    return tuple(sorted({0, pp - 1, *firsts.values()}))
+
+
 def rank_layer_kinds(model, pp, v, stage):
     """[(model of a layer, how many)] on pipeline rank `stage`: its dense first layers and its others."""
     layers = rank_layer_counts(model.num_layers, pp, v)[stage]

@@ -35,10 +35,9 @@ At DeepSeek-V3's shape (h 7168, latents 1536 and 576, 128 heads of value 128, to
 shared) a MoE layer keeps 28,672 + 4,224 + 24,576 + 57,344 + 36,864 = 151,680 bytes per token, 0.45 of the
 340,096 it keeps without recomputation; during a layer's backward its recomputed Q, K, V are held besides.
 """
-import functools
 import operator
 
-from utils.planner.describe import rank_dense_layers, rank_layer_counts, rank_layer_kinds
+from utils.planner.describe import rank_layer_counts, rank_layer_kinds, ranks_alike
 
 # PyTorch's caching allocator holds more than the tensors need (blocks rounded up and split): an assumed 5% of the
 # tensors' bytes. With the CUDA context, cuBLAS's workspaces and NCCL's buffers (an assumed 2 GB), this is what the
@@ -379,22 +378,7 @@ def _margins(terms):
 
 
 def _peak_candidates(model, config):
-    return _first_ranks_alike(model.num_layers, model.first_k_dense_replace, config.pp, config.v)
-
-
-@functools.lru_cache(maxsize=1024)
-def _first_ranks_alike(num_layers, first_k_dense, pp, v):
-    """The pipeline ranks that can need the most: the first and the last (the embedding; the head and the logits),
-    and, of the ranks holding alike layers (as many, and as many of DeepSeek-V3's dense first ones), the first, which
-    holds the most in flight. With uneven stages a later rank can hold more layers than the first: Megatron's
-    105 layers on 56 stages are 1, 1, 1, 2, ... and the fourth rank keeps 53 micro-batches of 2 layers, where the
-    first keeps 56 of 1."""
-    counts = rank_layer_counts(num_layers, pp, v)
-    dense = rank_dense_layers(num_layers, first_k_dense, pp, v) if first_k_dense else (0,) * pp
-    firsts = {}
-    for stage, alike in enumerate(zip(counts, dense)):
-        firsts.setdefault(alike, stage)
-    return frozenset({0, pp - 1, *firsts.values()})
+    return ranks_alike(model.num_layers, model.first_k_dense_replace, config.pp, config.v)
 
 
 def peak_memory(model, config, num_micro_batches):

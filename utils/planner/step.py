@@ -50,7 +50,7 @@ from utils.pipeline import formula_idle_share, idle_slots, zb_h1_order
 from utils.planner.communication import collective_seconds, group_links
 from utils.planner.compute import (kv_width, layer_times, memory_bound_seconds, output_layer_seconds,
                                    tp_pair_products)
-from utils.planner.describe import check_config, rank_dense_layers, rank_layer_counts, rank_layer_kinds
+from utils.planner.describe import check_config, rank_layer_kinds, ranks_alike
 from utils.planner.memory import held_value, model_state_bytes, stage_params
 
 
@@ -284,13 +284,8 @@ def _slowest_stage(model, cluster, config):
     seconds; and the data axis's exposed seconds once per step (ZeRO-0/1's gradients, ZeRO-1/2's updated weights).
     Whatever the schedule: 1F1B and ZB-H1 share them, and differ in the bubble only."""
     c = config
-    counts = rank_layer_counts(model.num_layers, c.pp, c.v)
-    candidates = {0, c.pp - 1, counts.index(max(counts))}  # the others hold as many layers as one of these
-    if model.first_k_dense_replace:  # and the fullest without DeepSeek-V3's dense first layers
-        dense = rank_dense_layers(model.num_layers, model.first_k_dense_replace, c.pp, c.v)
-        candidates |= set([s for s in range(c.pp) if counts[s] == max(counts) and not dense[s]][:1])
     per_layer, stages = {}, []
-    for stage in sorted(candidates):
+    for stage in ranks_alike(model.num_layers, model.first_k_dense_replace, c.pp, c.v):
         (kind, layers), *others = rank_layer_kinds(model, c.pp, c.v, stage)
         if id(kind) not in per_layer:  # one lookup per layer kind, not per stage
             per_layer[id(kind)] = _per_layer(kind, cluster, c)
