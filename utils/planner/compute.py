@@ -135,15 +135,13 @@ def layer_times(model, cluster, config):
 def _layer_times(model, cluster, tp, cp, ep, b, sequence_parallel=True, float8=False, fused=True):
     h, t, e, f8 = model.dim, tp, model.activation_bytes, float8
     tokens = b * model.seq_len // cp
-    *columns, row = attention_shapes(model, t)
     # one group per distinct input (m, k, [n, ...], batch, shards, grad_shards): the products reading the layer's
     # normed input share it; under sequence parallel it arrives gathered, and the row products' output gradients too
     sp = t if sequence_parallel and t > 1 else 1
-    groups = [(tokens, h, [n for k, n in columns if k == h], 1, sp, 1)]
-    groups += [(tokens, k, [n], 1, 1, 1) for k, n in columns if k != h] + [(tokens, row[0], [row[1]], 1, 1, sp)]
-    shared = model.n_shared_experts * model.ffn_dim // t if model.moe else model.ffn_dim // t  # every token's MLP
-    if shared:
-        groups += [(tokens, h, [shared] * (model.ffn_matrices - 1), 1, sp, 1), (tokens, shared, [h], 1, 1, sp)]
+    groups = []
+    for columns, row in column_row_pairs(model, t):
+        groups += [(tokens, h, [n for k, n in columns if k == h], 1, sp, 1)]
+        groups += [(tokens, k, [n], 1, 1, 1) for k, n in columns if k != h] + [(tokens, row[0], [row[1]], 1, 1, sp)]
     if model.moe:
         local = tokens // t * model.top_k * ep / model.num_experts * model.capacity_factor
         experts = [(local, h, [model.ffn_dim] * (model.ffn_matrices - 1), model.num_experts // ep, 1, 1),
@@ -202,17 +200,22 @@ def tp_pair_products(model, cluster, config):
 
 @functools.lru_cache(maxsize=4096)
 def _tp_pair_products(model, cluster, tp, cp, b, float8):
-    tokens, h = b * model.seq_len // cp, model.dim
+    tokens = b * model.seq_len // cp
 
     def seconds(shapes):
         return sum(matmul_seconds(tokens, k, n, cluster, element_bytes=model.activation_bytes, float8=float8)
                    for k, n in shapes)
+    pairs = column_row_pairs(model, tp)[:1 if model.moe else 2]  # a MoE layer's shared experts: not fused (step.py)
+    return [(seconds(columns), len(columns), seconds([row])) for columns, row in pairs]
+
+
+def column_row_pairs(model, tp):
+    """A layer's products on one tensor-parallel rank as column/row pairs ([(k, n) of each column product], (k, n) of
+    the row product): attention's (attention_shapes), then every token's MLP, the dense one or a MoE layer's shared
+    experts (none without)."""
     *columns, row = attention_shapes(model, tp)
-    pairs = [(seconds(columns), len(columns), seconds([row]))]
-    if not model.moe:
-        f = model.ffn_dim // tp
-        pairs.append((seconds([(h, f)] * (model.ffn_matrices - 1)), model.ffn_matrices - 1, seconds([(f, h)])))
-    return pairs
+    h, f = model.dim, (model.n_shared_experts if model.moe else 1) * model.ffn_dim // tp
+    return [(columns, row)] + ([([(h, f)] * (model.ffn_matrices - 1), (f, h))] if f else [])
 
 
 def attention_shapes(model, tp):
